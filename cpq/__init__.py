@@ -1,0 +1,22 @@
+"""cpq: warm torchrun worker groups, shared by every test process on a node."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from cpq.client import BadRequest, BrokerUnavailable, Client  # noqa: E402
+from cpq.protocol import EncodeError, PoolSpec, RankError, RankResult, TaskResult  # noqa: E402
+from cpq.reset import register_reset_hook  # noqa: E402
+
+__all__ = [
+    "BadRequest",
+    "BrokerUnavailable",
+    "Client",
+    "EncodeError",
+    "PoolSpec",
+    "RankError",
+    "RankResult",
+    "TaskResult",
+    "__version__",
+    "register_reset_hook",
+]

@@ -1,0 +1,75 @@
+"""File-descriptor level capture of one task's stdout and stderr (worker side).
+
+Capturing ``sys.stdout`` alone would miss what C++ and CUDA libraries write (NCCL warnings,
+TE's kernel messages), so fds 1 and 2 themselves are pointed at temporary files for the
+length of a task. Output is kept bounded: the head and the tail of a stream survive, the
+middle of a huge one is replaced by a marker, so a task printing 100 MB cannot blow up a
+message or the broker's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from types import TracebackType
+from typing import IO
+
+
+def _bounded_read(handle: IO[bytes], limit: int) -> str:
+    size = handle.seek(0, os.SEEK_END)
+    handle.seek(0)
+    if size <= limit:
+        data = handle.read()
+    else:
+        half = limit // 2
+        head = handle.read(half)
+        handle.seek(size - half)
+        tail = handle.read()
+        marker = f"\n... [cpq: {size - 2 * half} bytes of output truncated] ...\n".encode()
+        data = head + marker + tail
+    return data.decode("utf-8", errors="replace")
+
+
+class FdCapture:
+    """``with FdCapture(limit) as cap: ...`` then ``cap.stdout`` and ``cap.stderr``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.stdout = ""
+        self.stderr = ""
+        self._saved: list[tuple[int, int, IO[bytes]]] = []
+
+    def __enter__(self) -> FdCapture:
+        _flush_python_streams()
+        for fd in (1, 2):
+            spool = tempfile.TemporaryFile(prefix="cpq-capture-")
+            saved = os.dup(fd)
+            os.dup2(spool.fileno(), fd)
+            self._saved.append((fd, saved, spool))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _flush_python_streams()
+        texts = []
+        for fd, saved, spool in self._saved:
+            os.dup2(saved, fd)
+            os.close(saved)
+            with spool:
+                texts.append(_bounded_read(spool, self.limit))
+        self.stdout, self.stderr = texts
+        self._saved.clear()
+
+
+def _flush_python_streams() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream must not fail the task
+            pass

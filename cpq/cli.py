@@ -1,0 +1,292 @@
+"""Command line: ``cpq {broker,status,submit,stop,keys}``, ``cpq-broker``, ``cpq-status``.
+
+``cpq submit`` exit codes (DESIGN.md): 0 passed, 1 failed, 2 error, 3 skipped, 4 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cpq import paths
+
+EXIT_CODES = {"passed": 0, "failed": 1, "error": 2, "skipped": 3}
+EXIT_USAGE = 4
+
+
+# --------------------------------------------------------------------------- broker
+
+
+def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--endpoint", help="frontend endpoint (default: CPQ_ENDPOINT or ipc in the state dir)"
+    )
+    parser.add_argument(
+        "--gpus", default="auto", help="auto | none | comma-separated GPU ids (default auto)"
+    )
+    parser.add_argument(
+        "--max-ranks",
+        type=int,
+        default=max(4, os.cpu_count() or 1),
+        help="most CPU (gloo) ranks alive at once (default max(4, cores))",
+    )
+    parser.add_argument("--oversubscribe", action="store_true", help="let groups share GPUs")
+    parser.add_argument(
+        "--heartbeat", type=float, default=1.0, help="heartbeat interval in seconds"
+    )
+    parser.add_argument(
+        "--liveness", type=int, default=5, help="missed heartbeats before a peer is dead"
+    )
+    parser.add_argument(
+        "--idle-exit", type=float, default=0.0, help="exit after this many idle seconds (0: never)"
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, help="broker and rank logs (default: <state dir>/logs)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="default per-task deadline (default CPQ_TIMEOUT or 90)"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds a group may take to start"
+    )
+    parser.add_argument(
+        "--failure-grace",
+        type=float,
+        default=3.0,
+        help="seconds the other ranks get to finish after one rank failed",
+    )
+    parser.add_argument(
+        "--max-tasks-per-group",
+        type=int,
+        default=0,
+        help="recycle a group after N tasks (0: never)",
+    )
+    parser.add_argument(
+        "--insecure", action="store_true", help="allow a tcp endpoint without keys (loopback only)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _run_broker(args: argparse.Namespace) -> int:
+    from cpq.broker import BrokerAlreadyRunning, BrokerConfig, detect_gpus, run_broker
+    from cpq.security import InsecureEndpoint
+
+    state = paths.state_dir()
+    log_dir = args.log_dir or state / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    try:
+        handlers.append(logging.FileHandler(log_dir / "broker.log"))
+    except OSError as exc:
+        print(
+            f"cpq-broker: cannot write {log_dir / 'broker.log'} ({exc}); logging to stderr only",
+            file=sys.stderr,
+        )
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        handlers=handlers,
+    )
+    if args.max_ranks < 1:
+        print("cpq-broker: --max-ranks must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    config = BrokerConfig(
+        endpoint=args.endpoint or paths.default_endpoint(),
+        state_dir=state,
+        log_dir=log_dir,
+        gpus=detect_gpus(args.gpus),
+        max_ranks=args.max_ranks,
+        oversubscribe=args.oversubscribe,
+        heartbeat_s=args.heartbeat,
+        liveness=args.liveness,
+        idle_exit_s=args.idle_exit,
+        start_timeout_s=args.start_timeout,
+        failure_grace_s=args.failure_grace,
+        max_tasks_per_group=args.max_tasks_per_group,
+        default_timeout_s=args.timeout or paths.default_timeout(),
+        insecure=args.insecure,
+    )
+    try:
+        run_broker(config)
+    except (BrokerAlreadyRunning, InsecureEndpoint) as exc:
+        print(f"cpq-broker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def broker_main(argv: Sequence[str] | None = None) -> int:
+    parser = _broker_parser(
+        argparse.ArgumentParser(prog="cpq-broker", description="Run a cpq broker.")
+    )
+    return _run_broker(parser.parse_args(argv))
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _status_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--endpoint")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--watch", type=float, nargs="?", const=1.0, help="refresh every N seconds")
+    return parser
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from cpq.client import BrokerUnavailable, Client
+    from cpq.status import render
+
+    endpoint = args.endpoint or paths.default_endpoint()
+    try:
+        with Client(endpoint, name="cpq-status", connect_timeout_s=5) as client:
+            while True:
+                status = client.status()
+                if args.json:
+                    print(json.dumps(status, indent=None, sort_keys=True))
+                else:
+                    text = render(status)
+                    print(("\x1b[H\x1b[2J" if args.watch else "") + text, flush=True)
+                if not args.watch:
+                    return 0
+                time.sleep(args.watch)
+    except BrokerUnavailable as exc:
+        print(f"cpq-status: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def status_main(argv: Sequence[str] | None = None) -> int:
+    parser = _status_parser(
+        argparse.ArgumentParser(prog="cpq-status", description="Show a broker's state.")
+    )
+    return _run_status(parser.parse_args(argv))
+
+
+# --------------------------------------------------------------------------- submit
+
+
+def parse_value(text: str) -> Any:
+    """``key=value`` values: JSON where they parse (3, true, [1,2]), else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _submit_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("target", help="package.module:function")
+    parser.add_argument("kwargs", nargs="*", metavar="key=value")
+    parser.add_argument("--world-size", "-n", type=int, required=True)
+    parser.add_argument("--timeout", type=float)
+    parser.add_argument("--env", action="append", default=[], metavar="K=V")
+    parser.add_argument("--endpoint")
+    parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    parser.add_argument("--no-autostart", action="store_true", help="never start a broker")
+    return parser
+
+
+def _run_submit(args: argparse.Namespace) -> int:
+    from cpq.autostart import ensure_broker
+    from cpq.client import BadRequest, BrokerUnavailable, Client
+    from cpq.protocol import EncodeError
+    from cpq.status import render_result
+
+    kwargs: dict[str, Any] = {}
+    for item in args.kwargs:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"cpq submit: argument {item!r} is not key=value", file=sys.stderr)
+            return EXIT_USAGE
+        kwargs[key] = parse_value(value)
+    env: dict[str, str] = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"cpq submit: --env {item!r} is not K=V", file=sys.stderr)
+            return EXIT_USAGE
+        env[key] = value
+    endpoint = args.endpoint or paths.default_endpoint()
+    try:
+        if not args.no_autostart and endpoint.startswith("ipc://"):
+            ensure_broker(endpoint)
+        with Client(endpoint, name="cpq-submit") as client:
+            result = client.submit(
+                args.target, args.world_size, kwargs, timeout=args.timeout, env=env
+            )
+    except (BadRequest, EncodeError) as exc:
+        print(f"cpq submit: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (BrokerUnavailable, RuntimeError) as exc:
+        print(f"cpq submit: {exc}", file=sys.stderr)
+        return EXIT_CODES["error"]
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(result), default=repr))
+    else:
+        print(render_result(result))
+    return EXIT_CODES.get(result.outcome, EXIT_CODES["error"])
+
+
+# --------------------------------------------------------------------------- stop, keys
+
+
+def _run_stop(args: argparse.Namespace) -> int:
+    from cpq.client import BrokerUnavailable, Client
+
+    try:
+        with Client(
+            args.endpoint or paths.default_endpoint(), name="cpq-stop", connect_timeout_s=5
+        ) as c:
+            c.stop(drain=args.drain)
+    except BrokerUnavailable as exc:
+        print(f"cpq stop: {exc}", file=sys.stderr)
+        return 2
+    print("drain requested" if args.drain else "broker stopped")
+    return 0
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    from cpq.security import generate_keys
+
+    base = generate_keys(args.dir)
+    print(f"keys written to {base} (authorised clients: {base / 'authorized'})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="cpq", description="Warm torchrun groups for test suites."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    _broker_parser(commands.add_parser("broker", help="run a broker")).set_defaults(run=_run_broker)
+    _status_parser(commands.add_parser("status", help="show a broker's state")).set_defaults(
+        run=_run_status
+    )
+    _submit_parser(
+        commands.add_parser("submit", help="run module:function on a warm group")
+    ).set_defaults(run=_run_submit)
+    stop = commands.add_parser("stop", help="stop the broker")
+    stop.add_argument("--endpoint")
+    stop.add_argument("--drain", action="store_true", help="finish running tasks first")
+    stop.set_defaults(run=_run_stop)
+    keys = commands.add_parser("keys", help="create CURVE keys for tcp endpoints")
+    keys.add_argument("--dir", type=Path)
+    keys.set_defaults(run=_run_keys)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else 0
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""``cpq.Client``: submit tasks to a broker and wait for their verdicts.
+
+The client mirrors the worker's threading: a background I/O thread owns the DEALER socket,
+heartbeats, and resolves futures as verdicts arrive, so a test process can keep several
+tasks in flight, notices a dead broker within ``liveness × heartbeat`` seconds even while it
+waits, and the broker notices a dead client the same way (and drops its queued tasks).
+Callers talk to the I/O thread through an inproc PAIR socket guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from cpq import paths, protocol
+from cpq.protocol import PoolSpec, TaskResult
+
+log = logging.getLogger("cpq.client")
+
+
+class BrokerUnavailable(ConnectionError):
+    """No broker answered, or the broker stopped answering."""
+
+
+class BadRequest(ValueError):
+    """The broker (or the client, before sending) refused a request as malformed."""
+
+
+def default_roots() -> list[str]:
+    """Import roots a plain client sends: its working directory and ``PYTHONPATH``."""
+    roots = [os.getcwd()]
+    roots += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return list(dict.fromkeys(roots))
+
+
+def make_spec(
+    world_size: int,
+    env: dict[str, str] | None = None,
+    roots: list[str] | None = None,
+    backend: str = "",
+    python: str | None = None,
+) -> PoolSpec:
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise BadRequest(f"world_size must be an int, got {world_size!r}")
+    env = env or {}
+    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise BadRequest(f"env values must be strings: {bad!r}")
+    return PoolSpec(
+        world_size=world_size,
+        python=python or sys.executable,
+        roots=list(roots) if roots is not None else default_roots(),
+        env=[[k, env[k]] for k in sorted(env)],
+        backend=backend,
+    )
+
+
+def check_kwargs(kwargs: dict[str, Any]) -> None:
+    """Name the argument that cannot travel, instead of failing somewhere on the wire."""
+    for name, value in kwargs.items():
+        if not isinstance(name, str):
+            raise BadRequest(f"argument names must be strings, got {name!r}")
+        try:
+            protocol.pack(value)
+        except protocol.EncodeError as exc:
+            raise protocol.EncodeError(
+                f"argument {name!r} (a {type(value).__name__}) cannot be sent to the ranks: "
+                f"{exc.__cause__ or exc}. Pass msgpack-able values (None, bool, int, float, str, "
+                "bytes, lists and dicts of them) and build richer objects inside the task."
+            ) from None
+
+
+_PIPE_SEQ = itertools.count()
+
+
+class Client:
+    """A connection to a broker. Use as a context manager, or call :meth:`close`."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        name: str = "",
+        heartbeat_s: float = 1.0,
+        liveness: int = 5,
+        connect_timeout_s: float = 10.0,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.endpoint = endpoint or paths.default_endpoint()
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self.broker: dict[str, Any] = {}
+        self._info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "name": name or os.path.basename(sys.argv[0] or "python"),
+            "xdist_worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+            **(info or {}),
+        }
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._pipe_addr = f"inproc://cpq-client-{os.getpid()}-{next(_PIPE_SEQ)}"
+        self._tasks: dict[str, Future[TaskResult]] = {}
+        self._control: deque[Future[Any]] = deque()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._failure: BrokerUnavailable | None = None
+        self._thread = threading.Thread(target=self._io_loop, name="cpq-client-io", daemon=True)
+        bound = threading.Event()
+        self._bound = bound
+        self._thread.start()
+        bound.wait()
+        self._pipe = self._context.socket(zmq.PAIR)
+        self._pipe.setsockopt(zmq.LINGER, 0)
+        self._pipe.connect(self._pipe_addr)
+        try:
+            welcome = self._control_request(protocol.Hello(client=self._info), connect_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.broker = welcome.broker
+
+    # ---- public API
+
+    def submit(
+        self,
+        target: str,
+        world_size: int,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        seed: int = 1234,
+        test_id: str = "",
+        roots: list[str] | None = None,
+        backend: str = "",
+    ) -> TaskResult:
+        """Run ``target`` on every rank of a warm group and wait for the verdict."""
+        future = self.submit_async(
+            target,
+            world_size,
+            kwargs,
+            timeout=timeout,
+            env=env,
+            seed=seed,
+            test_id=test_id,
+            roots=roots,
+            backend=backend,
+        )
+        return future.result()
+
+    def submit_async(
+        self,
+        target: str,
+        world_size: int,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        seed: int = 1234,
+        test_id: str = "",
+        roots: list[str] | None = None,
+        backend: str = "",
+    ) -> Future[TaskResult]:
+        """Like :meth:`submit` but returns a future; many may be in flight at once."""
+        kwargs = dict(kwargs or {})
+        check_kwargs(kwargs)
+        if timeout is None:
+            timeout = paths.default_timeout()
+        message = protocol.Submit(
+            task_id=uuid.uuid4().hex,
+            target=target,
+            spec=make_spec(world_size, env, roots, backend),
+            kwargs=kwargs,
+            timeout=float(timeout),
+            seed=seed,
+            test_id=test_id,
+        )
+        frame = protocol.encode(message)
+        future: Future[TaskResult] = Future()
+        with self._lock:
+            self._raise_if_failed()
+            self._tasks[message.task_id] = future
+            self._pipe.send(frame)
+        return future
+
+    def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        reply: protocol.StatusReply = self._control_request(protocol.StatusRequest(), timeout_s)
+        return reply.status
+
+    def warm(self, specs: list[PoolSpec], counts: list[int] | None = None) -> None:
+        """Ask the broker to start groups for ``specs`` now (no reply expected)."""
+        self._send(protocol.Warm(specs=specs, counts=counts or []))
+
+    def stop(self, drain: bool = False, timeout_s: float = 10.0) -> dict[str, Any]:
+        reply: protocol.StatusReply = self._control_request(
+            protocol.StopRequest(drain=drain), timeout_s
+        )
+        return reply.status
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        with self._lock:
+            if self._failure is None and hasattr(self, "_pipe"):
+                self._pipe.send(protocol.encode(protocol.Goodbye()))
+            self._closed.set()
+        self._thread.join(timeout=5)
+        if hasattr(self, "_pipe"):
+            self._pipe.close(0)
+        self._context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed.is_set():
+            raise BrokerUnavailable("this client is closed")
+
+    def _send(self, message: protocol.Message) -> None:
+        frame = protocol.encode(message)
+        with self._lock:
+            self._raise_if_failed()
+            self._pipe.send(frame)
+
+    def _control_request(self, message: protocol.Message, timeout_s: float) -> Any:
+        future: Future[Any] = Future()
+        frame = protocol.encode(message)
+        with self._lock:
+            self._raise_if_failed()
+            self._control.append(future)
+            self._pipe.send(frame)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise BrokerUnavailable(
+                f"no answer from a cpq broker at {self.endpoint} within {timeout_s:g}s "
+                "(start one with `cpq-broker`, or let the pytest plugin start it)"
+            ) from None
+
+    def _io_loop(self) -> None:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        from cpq import security  # local: only clients of tcp endpoints need keys
+
+        security.configure_client(dealer, self.endpoint)
+        dealer.connect(self.endpoint)
+        pipe = self._context.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.LINGER, 0)
+        pipe.bind(self._pipe_addr)
+        self._bound.set()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        heartbeat = protocol.encode(protocol.Heartbeat())
+        last_heard = last_sent = time.monotonic()
+        silence_limit = self.heartbeat_s * self.liveness
+        try:
+            while not self._closed.is_set():
+                events = dict(poller.poll(timeout=int(self.heartbeat_s * 500)))
+                now = time.monotonic()
+                if pipe in events:
+                    while pipe.poll(0):
+                        dealer.send(pipe.recv())
+                    last_sent = now
+                if dealer in events:
+                    last_heard = now
+                    while dealer.poll(0):
+                        self._on_frame(dealer.recv())
+                if now - last_sent >= self.heartbeat_s:
+                    dealer.send(heartbeat)
+                    last_sent = now
+                # Before the broker's welcome, the connect time-out is what counts.
+                if self.broker and self._failure is None and now - last_heard > silence_limit:
+                    self._fail_all(
+                        BrokerUnavailable(
+                            f"the cpq broker at {self.endpoint} stopped answering "
+                            f"({now - last_heard:.1f}s without a heartbeat)"
+                        )
+                    )
+            while pipe.poll(0):  # a final goodbye
+                dealer.send(pipe.recv())
+        finally:
+            dealer.close(0)
+            pipe.close(0)
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            message = protocol.decode(frame)
+        except protocol.ProtocolError as exc:
+            log.error("malformed message from the broker: %s", exc)
+            return
+        if isinstance(message, protocol.Done):
+            future = self._tasks.pop(message.result.task_id, None)
+            if future is not None:
+                future.set_result(message.result)
+        elif isinstance(message, (protocol.Welcome, protocol.StatusReply)):
+            if self._control:
+                self._control.popleft().set_result(message)
+        elif isinstance(message, protocol.ErrorReply):
+            future = self._tasks.pop(message.task_id, None) if message.task_id else None
+            target = future or (self._control.popleft() if self._control else None)
+            if target is not None:
+                target.set_exception(BadRequest(message.message))
+            else:
+                log.error("broker error: %s", message.message)
+
+    def _fail_all(self, error: BrokerUnavailable) -> None:
+        with self._lock:
+            self._failure = error
+            tasks, self._tasks = self._tasks, {}
+            control, self._control = self._control, deque()
+        for future in [*tasks.values(), *control]:
+            if not future.done():
+                future.set_exception(error)

@@ -1,0 +1,23 @@
+"""``python -m cpq.launch <torchrun args>``: torchrun that dies with the broker.
+
+The broker starts every group through this shim rather than the ``torchrun`` script so the
+agent process carries a parent-death signal; ``preexec_fn`` would do the same but is unsafe
+in a process that has ZeroMQ's I/O threads running.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cpq.osutil import die_with_parent
+
+
+def main() -> None:
+    die_with_parent()
+    from torch.distributed.run import main as torchrun_main
+
+    torchrun_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

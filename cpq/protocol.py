@@ -1,0 +1,439 @@
+"""The wire protocol: the one module the broker, its clients and the worker runtime share.
+
+Every ZeroMQ message carries exactly one payload frame (after the routing id a ROUTER adds):
+a msgpack map ``{"v": PROTOCOL_VERSION, "k": <kind>, ...fields}``. Each kind is one dataclass
+below, so the set of messages is written down in one place and checked on the way in:
+``decode`` rejects wrong versions, unknown kinds, missing or extra fields and wrong types with
+a :class:`ProtocolError`, and never executes anything (msgpack only; no pickle crosses the
+wire). Size limits are enforced twice: ZeroMQ's ``MAXMSGSIZE`` drops oversized frames before
+they are read, and the unpacker bounds every string, binary, array and map it builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+#: Largest frame any socket accepts (ZeroMQ ``MAXMSGSIZE``); bigger frames are dropped.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Bound on one captured stream (stdout or stderr) of one rank for one task.
+MAX_CAPTURE_BYTES = 256 * 1024
+
+OUTCOMES = ("passed", "failed", "skipped", "error")
+
+RETRY_NOTE = "[CPQ-RETRY]"
+RETRY_FAIL_NOTE = "[CPQ-RETRY-FAIL]"
+
+# Variables that keep NVLink multicast off; set in every environment cpq builds for a group
+# because a program that uses multicast can take a shared host's GPUs out of service.
+MULTICAST_OFF_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+class EncodeError(TypeError):
+    """A value that cannot travel (not msgpack-able, too deep, too big)."""
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What makes two tasks able to share a warm group (DESIGN.md, "Pool spec").
+
+    ``backend`` is empty when the client lets the broker choose (nccl with GPUs, gloo without).
+    ``env`` is a sorted list of ``[name, value]`` pairs so that equal specs encode equally.
+    """
+
+    world_size: int
+    python: str
+    roots: list[str]
+    env: list[list[str]] = field(default_factory=list)
+    backend: str = ""
+
+    def key(self) -> tuple[Any, ...]:
+        return (
+            self.world_size,
+            self.backend,
+            self.python,
+            tuple(self.roots),
+            tuple(tuple(p) for p in self.env),
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolSpec) and self.key() == other.key()
+
+    def label(self) -> str:
+        """A short human name: ``ws2/gloo`` plus env overrides, for tables and logs."""
+        extra = "".join(f" {k}={v}" for k, v in self.env)
+        return f"ws{self.world_size}/{self.backend or 'auto'}{extra}"
+
+
+@dataclass
+class RankError:
+    type: str
+    message: str
+    traceback: str = ""
+
+
+@dataclass
+class RankResult:
+    """What one rank reports for one task."""
+
+    rank: int
+    outcome: str
+    error: RankError | None = None
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    peak_cuda_mb: float = 0.0
+    value: Any = None
+
+
+@dataclass
+class TaskResult:
+    """The broker's verdict on one task: the aggregate of every rank's report."""
+
+    task_id: str
+    outcome: str
+    ranks: list[RankResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    message: str = ""
+    group_id: str = ""
+    attempts: int = 1
+    duration_s: float = 0.0
+    queue_s: float = 0.0
+    deadline_s: float = 0.0
+
+    @property
+    def value(self) -> Any:
+        """Rank 0's return value."""
+        for rank in self.ranks:
+            if rank.rank == 0:
+                return rank.value
+        return None
+
+    @property
+    def failed_ranks(self) -> list[RankResult]:
+        return [r for r in self.ranks if r.outcome in ("failed", "error")]
+
+
+# --------------------------------------------------------------------------- messages
+
+_KINDS: dict[str, type[Message]] = {}
+
+
+@dataclass
+class Message:
+    KIND: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("KIND")
+        if kind:
+            _KINDS[kind] = cls
+
+
+# ---- client -> broker
+
+
+@dataclass
+class Hello(Message):
+    """First message of a client: who it is (shown by cpq-status)."""
+
+    KIND: ClassVar[str] = "hello"
+    client: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Submit(Message):
+    KIND: ClassVar[str] = "submit"
+    task_id: str
+    target: str
+    spec: PoolSpec
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = None
+    seed: int = 1234
+    test_id: str = ""
+
+
+@dataclass
+class Cancel(Message):
+    KIND: ClassVar[str] = "cancel"
+    task_id: str
+
+
+@dataclass
+class Warm(Message):
+    """Start groups for these specs now (the pytest plugin sends it after collection)."""
+
+    KIND: ClassVar[str] = "warm"
+    specs: list[PoolSpec]
+    counts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StatusRequest(Message):
+    KIND: ClassVar[str] = "status"
+
+
+@dataclass
+class StopRequest(Message):
+    """``cpq stop``: drain=True finishes running tasks first and accepts nothing new."""
+
+    KIND: ClassVar[str] = "stop"
+    drain: bool = False
+
+
+@dataclass
+class Goodbye(Message):
+    KIND: ClassVar[str] = "bye"
+
+
+# ---- broker -> client
+
+
+@dataclass
+class Welcome(Message):
+    KIND: ClassVar[str] = "welcome"
+    broker: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Done(Message):
+    KIND: ClassVar[str] = "done"
+    result: TaskResult
+
+
+@dataclass
+class StatusReply(Message):
+    KIND: ClassVar[str] = "status_reply"
+    status: dict[str, Any]
+
+
+@dataclass
+class ErrorReply(Message):
+    """An answer to a message the broker could not act on; the broker keeps serving."""
+
+    KIND: ClassVar[str] = "error"
+    message: str
+    task_id: str = ""
+
+
+# ---- both directions, every peer
+
+
+@dataclass
+class Heartbeat(Message):
+    KIND: ClassVar[str] = "hb"
+
+
+# ---- rank -> broker
+
+
+@dataclass
+class RankHello(Message):
+    """Sent by a rank's I/O thread as soon as it connects, before the process group exists."""
+
+    KIND: ClassVar[str] = "rank_hello"
+    group_id: str
+    token: str
+    rank: int
+    local_rank: int
+    pid: int
+
+
+@dataclass
+class RankReady(Message):
+    """The rank's process group is initialised; it can take tasks."""
+
+    KIND: ClassVar[str] = "rank_ready"
+    rank: int
+    startup_s: float = 0.0
+
+
+@dataclass
+class RankDone(Message):
+    KIND: ClassVar[str] = "rank_done"
+    task_id: str
+    result: RankResult
+    rss_mb: float = 0.0
+
+
+@dataclass
+class RankStacks(Message):
+    KIND: ClassVar[str] = "rank_stacks"
+    task_id: str
+    rank: int
+    stacks: str
+
+
+# ---- broker -> rank
+
+
+@dataclass
+class RunTask(Message):
+    KIND: ClassVar[str] = "run"
+    task_id: str
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1234
+    test_id: str = ""
+
+
+@dataclass
+class DumpStacks(Message):
+    KIND: ClassVar[str] = "dump_stacks"
+    task_id: str
+
+
+@dataclass
+class Shutdown(Message):
+    KIND: ClassVar[str] = "shutdown"
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def pack(value: Any) -> bytes:
+    """msgpack with a clear error for what cannot travel."""
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EncodeError(f"cannot be sent to the broker as msgpack: {exc}") from exc
+
+
+def unpack(frame: bytes) -> Any:
+    try:
+        # unpackb bounds every str/bin/array/map by the frame's own length, and the frame
+        # is bounded by MAXMSGSIZE; its C stack limit refuses absurdly deep nesting.
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not valid msgpack: {type(exc).__name__}: {exc}") from exc
+
+
+def encode(message: Message) -> bytes:
+    wire = _to_wire(message)
+    wire["v"] = PROTOCOL_VERSION
+    wire["k"] = message.KIND
+    frame = pack(wire)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise EncodeError(f"message of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return frame
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and check one payload frame; raise :class:`ProtocolError` on anything off."""
+    data = unpack(frame)
+    if not isinstance(data, dict):
+        raise ProtocolError(f"a message must be a map, got {type(data).__name__}")
+    version = data.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} not supported (this is {PROTOCOL_VERSION})"
+        )
+    kind = data.pop("k", None)
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    return _from_wire(cls, data, kind)
+
+
+_T = TypeVar("_T")
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = {
+            f.name: typing.get_type_hints(cls)[f.name]
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        }
+        _HINTS[cls] = hints
+    return hints
+
+
+def _from_wire(cls: type[_T], data: Any, where: str) -> _T:
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+    hints = _hints(cls)
+    unknown = set(data) - set(hints)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {sorted(unknown)}")
+    values = {}
+    for name, hint in hints.items():
+        if name in data:
+            values[name] = _check(hint, data[name], f"{where}.{name}")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field is missing
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    if hint is Any:
+        return value
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for option in get_args(hint):
+            if option is type(None) and value is None:
+                return None
+        last: ProtocolError | None = None
+        for option in get_args(hint):
+            if option is type(None):
+                continue
+            try:
+                return _check(option, value, where)
+            except ProtocolError as exc:
+                last = exc
+        raise last or ProtocolError(f"{where}: unexpected {type(value).__name__}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = get_args(hint)
+        return [_check(item, v, where) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        _, item = get_args(hint)
+        return {k: _check(item, v, where) for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return _from_wire(hint, value, where)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, hint):
+        return value
+    raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")

@@ -1,0 +1,105 @@
+"""State reset between tasks in a warm rank (worker side).
+
+A warm group runs many unrelated tests in one process, so whatever one test leaves behind
+must not reach the next: environment variables, the working directory, replaced
+``sys.stdout``, random number generators, Transformer Engine's FP8 and attention-backend
+caches, the CUDA caching allocator. Users add their own steps with
+:func:`register_reset_hook` (from code the task imports) or by naming ``module:function``
+hooks in ``CPQ_RESET_HOOKS`` (comma separated) in the group's environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+ResetHook = Callable[[int], None]
+_hooks: list[ResetHook] = []
+
+
+def register_reset_hook(hook: ResetHook) -> ResetHook:
+    """Call ``hook(seed)`` before every task in this rank. Usable as a decorator."""
+    if hook not in _hooks:
+        _hooks.append(hook)
+    return hook
+
+
+@dataclass
+class Baseline:
+    """What a rank looked like right after start-up; every task starts from here."""
+
+    environ: dict[str, str]
+    cwd: str
+    stdout: TextIO
+    stderr: TextIO
+
+    @classmethod
+    def capture(cls) -> Baseline:
+        return cls(dict(os.environ), os.getcwd(), sys.stdout, sys.stderr)
+
+
+def load_hooks_from_env() -> None:
+    for spec in filter(None, os.environ.get("CPQ_RESET_HOOKS", "").split(",")):
+        module, _, name = spec.strip().partition(":")
+        register_reset_hook(getattr(importlib.import_module(module), name))
+
+
+def reset_state(baseline: Baseline, seed: int) -> None:
+    if os.environ != baseline.environ:
+        os.environ.clear()
+        os.environ.update(baseline.environ)
+    if os.getcwd() != baseline.cwd:
+        os.chdir(baseline.cwd)
+    sys.stdout, sys.stderr = baseline.stdout, baseline.stderr
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)  # seeds every CUDA device too
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    _reset_transformer_engine()
+    for hook in _hooks:
+        hook(seed)
+
+
+def _reset_transformer_engine() -> None:
+    """Reset TE's process-wide state, if TE was imported by an earlier task.
+
+    TE keeps FP8 recipe/amax state in ``FP8GlobalStateManager`` and caches which attention
+    backend it picked; a test that changed either would otherwise steer the next one.
+    """
+    if "transformer_engine.pytorch" not in sys.modules:
+        return
+    fp8: Any = _find_attr(
+        ("transformer_engine.pytorch.fp8", "transformer_engine.pytorch.quantization"),
+        "FP8GlobalStateManager",
+    )
+    if fp8 is not None and hasattr(fp8, "reset"):
+        fp8.reset()
+    for module_name in (
+        "transformer_engine.pytorch.attention.dot_product_attention.utils",
+        "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention",
+        "transformer_engine.pytorch.attention",
+    ):
+        module = sys.modules.get(module_name)
+        backends = getattr(module, "_attention_backends", None)
+        if isinstance(backends, dict):
+            backends["backend_selection_requires_update"] = True
+
+
+def _find_attr(modules: tuple[str, ...], name: str) -> object | None:
+    for module_name in modules:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+    return None

@@ -1,0 +1,191 @@
+"""Queues and resources: which task runs next, and where a new group may go (broker side).
+
+Pure bookkeeping with no sockets and no processes, so the broker's event loop stays a
+thin dispatcher and these rules can be read (and changed) in one place:
+
+* one queue per pool spec, and inside it one FIFO per client served round-robin, so one
+  client with a thousand queued tasks cannot starve another with one;
+* GPUs are handed out as disjoint sets (unless ``oversubscribe``); CPU (gloo) groups are
+  bounded by ``max_ranks``;
+* a spec that can never run on this node is rejected up front, never queued.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+from cpq.protocol import PoolSpec
+
+
+class Queued(Protocol):
+    spec: PoolSpec
+    client: bytes
+    queued_at: float
+
+
+T = TypeVar("T", bound=Queued)
+
+
+class FairQueue(Generic[T]):
+    """Tasks of one spec: per-client FIFOs, served round-robin across clients."""
+
+    def __init__(self) -> None:
+        self._by_client: OrderedDict[bytes, deque[T]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_client.values())
+
+    def __iter__(self) -> Iterator[T]:
+        for fifo in self._by_client.values():
+            yield from fifo
+
+    def push(self, task: T, front: bool = False) -> None:
+        fifo = self._by_client.setdefault(task.client, deque())
+        if front:
+            fifo.appendleft(task)
+            self._by_client.move_to_end(task.client, last=False)
+        else:
+            fifo.append(task)
+
+    def pop(self) -> T | None:
+        for client, fifo in self._by_client.items():
+            task = fifo.popleft()
+            if fifo:
+                self._by_client.move_to_end(client)  # this client's turn is over
+            else:
+                del self._by_client[client]
+            return task
+        return None
+
+    def remove(self, predicate: object) -> list[T]:
+        removed: list[T] = []
+        for client in list(self._by_client):
+            fifo = self._by_client[client]
+            keep = deque(t for t in fifo if not predicate(t))  # type: ignore[operator]
+            removed.extend(t for t in fifo if predicate(t))  # type: ignore[operator]
+            if keep:
+                self._by_client[client] = keep
+            else:
+                del self._by_client[client]
+        return removed
+
+    def oldest(self) -> float:
+        return min((t.queued_at for t in self), default=float("inf"))
+
+
+class Queues(Generic[T]):
+    def __init__(self) -> None:
+        self.by_spec: dict[PoolSpec, FairQueue[T]] = {}
+
+    def push(self, task: T, front: bool = False) -> None:
+        self.by_spec.setdefault(task.spec, FairQueue()).push(task, front)
+
+    def pop(self, spec: PoolSpec) -> T | None:
+        queue = self.by_spec.get(spec)
+        task = queue.pop() if queue else None
+        if queue is not None and not queue:
+            del self.by_spec[spec]
+        return task
+
+    def depth(self, spec: PoolSpec) -> int:
+        queue = self.by_spec.get(spec)
+        return len(queue) if queue else 0
+
+    def waiting_specs(self) -> list[PoolSpec]:
+        """Specs with queued tasks, the one waiting longest first."""
+        return sorted(self.by_spec, key=lambda s: self.by_spec[s].oldest())
+
+    def remove(self, predicate: object) -> list[T]:
+        removed: list[T] = []
+        for spec in list(self.by_spec):
+            removed.extend(self.by_spec[spec].remove(predicate))
+            if not self.by_spec[spec]:
+                del self.by_spec[spec]
+        return removed
+
+    def __iter__(self) -> Iterator[T]:
+        for queue in self.by_spec.values():
+            yield from queue
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.by_spec.values())
+
+
+class Resources:
+    """The node's GPUs and CPU rank slots, and who holds which."""
+
+    def __init__(self, gpus: list[str], max_ranks: int, oversubscribe: bool = False) -> None:
+        self.gpus = list(gpus)
+        self.max_ranks = max_ranks
+        self.oversubscribe = oversubscribe
+        self._gpu_users: dict[str, int] = {g: 0 for g in self.gpus}
+        self.cpu_ranks_used = 0
+
+    def backend_for(self, spec: PoolSpec) -> str:
+        return spec.backend or ("nccl" if self.gpus else "gloo")
+
+    def uses_gpus(self, spec: PoolSpec) -> bool:
+        return self.backend_for(spec) == "nccl"
+
+    def impossible(self, spec: PoolSpec) -> str | None:
+        """Why ``spec`` can never run on this node, or None."""
+        ws = spec.world_size
+        if ws < 1:
+            return f"world_size must be at least 1, got {ws}"
+        if self.backend_for(spec) not in ("gloo", "nccl", "mpi", "ucc"):
+            return f"unknown torch.distributed backend {spec.backend!r}"
+        if self.uses_gpus(spec):
+            if not self.gpus:
+                return f"backend {self.backend_for(spec)!r} needs GPUs and this broker owns none"
+            if ws > len(self.gpus) and not self.oversubscribe:
+                return (
+                    f"world_size {ws} needs {ws} GPUs but this broker owns {len(self.gpus)} "
+                    f"({','.join(self.gpus)}); start it with --oversubscribe to share GPUs"
+                )
+        elif ws > self.max_ranks:
+            return (
+                f"world_size {ws} exceeds this broker's --max-ranks {self.max_ranks} for CPU groups"
+            )
+        return None
+
+    def free_gpus(self) -> list[str]:
+        return [g for g, users in self._gpu_users.items() if users == 0]
+
+    def allocate(self, spec: PoolSpec) -> list[str] | None:
+        """GPUs (empty for CPU groups) for a new group of ``spec``, or None if none fit now."""
+        ws = spec.world_size
+        if not self.uses_gpus(spec):
+            if self.cpu_ranks_used + ws > self.max_ranks:
+                return None
+            self.cpu_ranks_used += ws
+            return []
+        free = self.free_gpus()
+        if len(free) >= ws:
+            chosen = free[:ws]
+        elif self.oversubscribe:
+            chosen = sorted(self.gpus, key=lambda g: self._gpu_users[g])[:ws]
+        else:
+            return None
+        for gpu in chosen:
+            self._gpu_users[gpu] += 1
+        return chosen
+
+    def release(self, spec: PoolSpec, gpus: list[str]) -> None:
+        if not self.uses_gpus(spec):
+            self.cpu_ranks_used -= spec.world_size
+        for gpu in gpus:
+            self._gpu_users[gpu] -= 1
+
+    def would_fit_after_freeing(
+        self, spec: PoolSpec, freed: list[tuple[PoolSpec, list[str]]]
+    ) -> bool:
+        """Would ``spec`` fit if the groups described by ``freed`` were gone?"""
+        if not self.uses_gpus(spec):
+            extra = sum(s.world_size for s, _ in freed if not self.uses_gpus(s))
+            return self.cpu_ranks_used - extra + spec.world_size <= self.max_ranks
+        free = set(self.free_gpus())
+        for _, gpus in freed:
+            free.update(g for g in gpus if self._gpu_users[g] == 1)
+        return len(free) >= spec.world_size

@@ -1,0 +1,188 @@
+"""Starting and killing one torchrun worker group (broker side).
+
+A group is ``python -m cpq.launch --standalone --nproc-per-node W -m cpq.worker`` in a
+process session of its own. torchrun starts every rank in yet another session, so killing
+"the group" means killing a process tree: the agent, everything below it, and every rank
+pid the ranks reported themselves. Killing never blocks the broker's event loop: SIGTERM
+now, SIGKILL when the grace has passed (:meth:`GroupProcess.reap` is called from the loop's
+tick), and the group's GPUs are released only once every process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from cpq import protocol
+
+log = logging.getLogger("cpq.supervisor")
+
+
+class GroupProcess:
+    def __init__(
+        self,
+        group_id: str,
+        spec: protocol.PoolSpec,
+        backend: str,
+        gpus: list[str],
+        backend_endpoint: str,
+        heartbeat_s: float,
+        liveness: int,
+        log_dir: Path,
+    ) -> None:
+        self.group_id = group_id
+        self.spec = spec
+        self.backend = backend
+        self.gpus = gpus
+        self.token = secrets.token_hex(16)
+        self.backend_endpoint = backend_endpoint
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self.log_dir = log_dir
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.rank_pids: set[int] = set()
+        self._doomed: list[psutil.Process] = []
+        self._kill_at: float | None = None
+        self.log_path = log_dir / f"group-{group_id}-agent.log"
+
+    # ---- start
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(protocol.MULTICAST_OFF_ENV)
+        env.update(dict(self.spec.env))  # the spec's own overrides win
+        env.update(
+            {
+                "CPQ_BACKEND_ENDPOINT": self.backend_endpoint,
+                "CPQ_GROUP_ID": self.group_id,
+                "CPQ_GROUP_TOKEN": self.token,
+                "CPQ_DIST_BACKEND": self.backend,
+                "CPQ_HEARTBEAT_S": str(self.heartbeat_s),
+                "CPQ_LIVENESS": str(self.liveness),
+                "CPQ_ROOTS": os.pathsep.join(self.spec.roots),
+                "CPQ_LOG_DIR": str(self.log_dir),
+                "CUDA_VISIBLE_DEVICES": ",".join(self.gpus),
+                "PYTHONUNBUFFERED": "1",
+                # torchrun's default spreads OMP threads thin; each rank gets one thread so
+                # concurrent groups on a small CPU node do not fight over cores.
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            }
+        )
+        # The worker must import cpq itself; the spec's roots let it import the user's code.
+        env["PYTHONPATH"] = os.pathsep.join(
+            [p for p in [*self.spec.roots, env.get("PYTHONPATH", "")] if p]
+        )
+        return env
+
+    def command(self) -> list[str]:
+        return [
+            self.spec.python,
+            "-m",
+            "cpq.launch",
+            "--standalone",
+            "--nproc-per-node",
+            str(self.spec.world_size),
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.1",
+            "-m",
+            "cpq.worker",
+        ]
+
+    def start(self) -> None:
+        try:
+            output: int | object = os.open(
+                self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+            )
+        except OSError as exc:
+            log.warning(
+                "cannot open %s (%s); group %s logs are lost", self.log_path, exc, self.group_id
+            )
+            output = subprocess.DEVNULL
+        try:
+            self.popen = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.spec.roots[0]
+                if self.spec.roots and os.path.isdir(self.spec.roots[0])
+                else None,
+            )
+        finally:
+            if isinstance(output, int):
+                os.close(output)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def exit_code(self) -> int | None:
+        """The agent's exit status once it has ended (reaps it), else None."""
+        return self.popen.poll() if self.popen else -1
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, size - max_bytes))
+                return handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    # ---- kill
+
+    def terminate(self, grace_s: float) -> None:
+        """SIGTERM the whole tree now; :meth:`reap` sends SIGKILL after ``grace_s``."""
+        if self._kill_at is not None:
+            return
+        self._doomed = self._tree()
+        for proc in self._doomed:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGTERM)
+        self._kill_at = time.monotonic() + grace_s
+
+    def reap(self) -> bool:
+        """Escalate and collect; True once every process of the group is gone."""
+        if self.popen is not None:
+            self.popen.poll()
+        alive = [p for p in self._doomed if _running(p)]
+        if alive and self._kill_at is not None and time.monotonic() >= self._kill_at:
+            for proc in alive:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        self._doomed = alive
+        return not alive and (self.popen is None or self.popen.returncode is not None)
+
+    def _tree(self) -> list[psutil.Process]:
+        procs: dict[int, psutil.Process] = {}
+        if self.popen is not None and self.popen.returncode is None:
+            with contextlib.suppress(psutil.Error):
+                agent = psutil.Process(self.popen.pid)
+                procs[agent.pid] = agent
+                for child in agent.children(recursive=True):
+                    procs[child.pid] = child
+        for pid in self.rank_pids:
+            with contextlib.suppress(psutil.Error):
+                procs.setdefault(pid, psutil.Process(pid))
+                for child in procs[pid].children(recursive=True):
+                    procs[child.pid] = child
+        return list(procs.values())
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,344 @@
+"""The worker runtime: what every rank of a warm group runs (``torchrun ... -m cpq.worker``).
+
+Two threads per rank. The I/O thread owns the ZeroMQ DEALER: it says hello, heartbeats,
+hands tasks to the main thread through a queue, answers stack-dump requests by reading the
+main thread's frames, and exits the process when the broker goes silent. The main thread
+initialises the process group once and then loops: take a task, reset state, import and
+call the target with fd-level capture, report. Because the I/O thread never waits on the
+main thread, a rank stuck in a collective still heartbeats and can still say where it is
+stuck; that is why the broker also keeps a per-task deadline.
+
+Only :mod:`cpq.protocol` is shared with the broker; everything here is configured through
+``CPQ_*`` variables the group supervisor sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import queue
+import resource
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from cpq import protocol
+from cpq.capture import FdCapture
+from cpq.osutil import die_with_parent
+from cpq.reset import Baseline, load_hooks_from_env, reset_state
+
+log = logging.getLogger("cpq.worker")
+
+EXIT_BROKER_LOST = 75
+_PIPE = "inproc://cpq-worker-results"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    endpoint: str
+    group_id: str
+    token: str
+    rank: int
+    local_rank: int
+    world_size: int
+    dist_backend: str
+    heartbeat_s: float
+    liveness: int
+    roots: list[str]
+    log_dir: str
+
+    @classmethod
+    def from_env(cls) -> WorkerConfig:
+        env = os.environ
+        return cls(
+            endpoint=env["CPQ_BACKEND_ENDPOINT"],
+            group_id=env["CPQ_GROUP_ID"],
+            token=env["CPQ_GROUP_TOKEN"],
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            world_size=int(env["WORLD_SIZE"]),
+            dist_backend=env.get("CPQ_DIST_BACKEND", "gloo"),
+            heartbeat_s=float(env.get("CPQ_HEARTBEAT_S", "1")),
+            liveness=int(env.get("CPQ_LIVENESS", "5")),
+            roots=[r for r in env.get("CPQ_ROOTS", "").split(os.pathsep) if r],
+            log_dir=env.get("CPQ_LOG_DIR", ""),
+        )
+
+
+# --------------------------------------------------------------------------- I/O thread
+
+
+class IOThread(threading.Thread):
+    """Owns the DEALER socket; the only thread that talks to the broker."""
+
+    def __init__(self, config: WorkerConfig, context: zmq.Context[Any]) -> None:
+        super().__init__(name="cpq-io", daemon=True)
+        self.config = config
+        self.context = context
+        self.tasks: queue.Queue[protocol.RunTask | None] = queue.Queue()
+        self.main_thread_id = threading.main_thread().ident
+        self.bound = threading.Event()
+
+    def run(self) -> None:
+        cfg = self.config
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        dealer.connect(cfg.endpoint)
+        pipe = self.context.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.LINGER, 0)
+        pipe.bind(_PIPE)
+        self.bound.set()
+        hello = protocol.RankHello(
+            group_id=cfg.group_id,
+            token=cfg.token,
+            rank=cfg.rank,
+            local_rank=cfg.local_rank,
+            pid=os.getpid(),
+        )
+        dealer.send(protocol.encode(hello))
+        heartbeat = protocol.encode(protocol.Heartbeat())
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        last_heard = last_sent = time.monotonic()
+        silence_limit = cfg.heartbeat_s * cfg.liveness
+        while True:
+            events = dict(poller.poll(timeout=int(cfg.heartbeat_s * 1000 / 2)))
+            now = time.monotonic()
+            if dealer in events:
+                last_heard = now
+                self._on_broker_frame(dealer, dealer.recv())
+            if pipe in events:
+                dealer.send(pipe.recv())
+                last_sent = now
+            if now - last_sent >= cfg.heartbeat_s:
+                dealer.send(heartbeat)
+                last_sent = now
+            if now - last_heard > silence_limit:
+                log.error("broker silent for %.1fs; exiting", now - last_heard)
+                _hard_exit(EXIT_BROKER_LOST)
+
+    def _on_broker_frame(self, dealer: zmq.Socket[Any], frame: bytes) -> None:
+        try:
+            message = protocol.decode(frame)
+        except protocol.ProtocolError as exc:
+            log.error("dropping a malformed frame from the broker: %s", exc)
+            return
+        if isinstance(message, protocol.RunTask):
+            self.tasks.put(message)
+        elif isinstance(message, protocol.DumpStacks):
+            stacks = protocol.RankStacks(
+                task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
+            )
+            dealer.send(protocol.encode(stacks))
+        elif isinstance(message, protocol.Shutdown):
+            self.tasks.put(None)
+            # A main thread stuck in a collective never reads the queue: leave anyway.
+            threading.Timer(self.config.heartbeat_s * 2, _hard_exit, args=(0,)).start()
+
+    def main_stack(self) -> str:
+        frame = sys._current_frames().get(self.main_thread_id or -1)
+        if frame is None:
+            return "(main thread not found)"
+        return "".join(traceback.format_stack(frame))
+
+
+def _hard_exit(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
+
+
+# --------------------------------------------------------------------------- main thread
+
+
+def redirect_output_to_log(config: WorkerConfig) -> None:
+    """Point fds 1 and 2 at this rank's log file (what it prints between tasks lands there)."""
+    if not config.log_dir:
+        return
+    path = Path(config.log_dir) / f"group-{config.group_id}-rank{config.rank}.log"
+    with contextlib.suppress(OSError):  # a full or missing log dir must not stop the rank
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def init_process_group(config: WorkerConfig) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if config.dist_backend == "nccl":
+        torch.cuda.set_device(config.local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", config.local_rank))
+        probe = torch.ones(1, device="cuda")
+    else:
+        dist.init_process_group(config.dist_backend)
+        probe = torch.ones(1)
+    # One collective now creates the communicators, so the first task does not pay for it.
+    dist.all_reduce(probe)
+    if int(probe.item()) != config.world_size:
+        raise RuntimeError(f"startup all_reduce gave {probe.item()}, expected {config.world_size}")
+
+
+def resolve_target(target: str) -> Any:
+    module_name, sep, attr_path = target.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"target {target!r} must look like 'package.module:function'")
+    _reload_if_changed(module_name)
+    obj: Any = importlib.import_module(module_name)
+    for attr in attr_path.split("."):
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise TypeError(f"target {target!r} is not callable")
+    return obj
+
+
+_module_stamps: dict[str, tuple[int, int]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
+
+
+def _reload_if_changed(module_name: str) -> None:
+    """A warm group outlives edits to the code it runs: reload a target module whose file
+    changed since it was imported, so a re-run after an edit runs the edited code."""
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if module is None or not path:
+        return
+    stamp = _stamp(path)
+    known = _module_stamps.setdefault(module_name, stamp or (0, 0))
+    if stamp is not None and stamp != known:
+        importlib.reload(module)
+        _module_stamps[module_name] = stamp
+
+
+def _is_skip(exc: BaseException) -> bool:
+    import unittest
+
+    if isinstance(exc, unittest.SkipTest):
+        return True
+    outcomes = sys.modules.get("_pytest.outcomes")
+    return outcomes is not None and isinstance(exc, outcomes.Skipped)
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def _peak_cuda_mb() -> float:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0.0
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def run_task(task: protocol.RunTask, rank: int, baseline: Baseline) -> protocol.RankResult:
+    outcome, error, value = "passed", None, None
+    start = time.perf_counter()
+    capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
+    try:
+        reset_state(baseline, task.seed)
+        with capture:
+            try:
+                value = resolve_target(task.target)(**task.kwargs)
+                protocol.pack(value)  # refuse a return value that cannot travel, here
+            except BaseException as exc:  # the task's failure is data, not our crash
+                outcome = "skipped" if _is_skip(exc) else "failed"
+                error = _describe(exc)
+                value = None
+    except BaseException as exc:  # reset or capture itself broke: still report it
+        outcome, error, value = "failed", _describe(exc), None
+    return protocol.RankResult(
+        rank=rank,
+        outcome=outcome,
+        error=error,
+        stdout=capture.stdout,
+        stderr=capture.stderr,
+        duration_s=time.perf_counter() - start,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_cuda_mb=_peak_cuda_mb(),
+        value=value,
+    )
+
+
+def _describe(exc: BaseException) -> protocol.RankError:
+    kind = type(exc)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    message = getattr(exc, "msg", None) if _is_skip(exc) else None
+    tb = exc.__traceback__
+    # Hide this module's own frames: the user's traceback starts at their code.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return protocol.RankError(
+        type=name,
+        message=str(message if message is not None else exc),
+        traceback="".join(traceback.format_exception(kind, exc, tb)),
+    )
+
+
+def main() -> None:
+    config = WorkerConfig.from_env()
+    die_with_parent()
+    redirect_output_to_log(config)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
+    )
+    started = time.monotonic()
+    context: zmq.Context[Any] = zmq.Context()
+    io = IOThread(config, context)
+    io.start()
+    io.bound.wait()
+    results = context.socket(zmq.PAIR)
+    results.setsockopt(zmq.LINGER, 0)
+    results.connect(_PIPE)
+    for root in reversed(config.roots):
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    init_process_group(config)
+    load_hooks_from_env()
+    ready = protocol.RankReady(rank=config.rank, startup_s=time.monotonic() - started)
+    results.send(protocol.encode(ready))
+    log.info("ready after %.2fs", ready.startup_s)
+    baseline = Baseline.capture()
+    while (task := io.tasks.get()) is not None:
+        result = run_task(task, config.rank, baseline)
+        done = protocol.RankDone(task_id=task.task_id, result=result, rss_mb=_rss_mb())
+        try:
+            frame = protocol.encode(done)
+        except protocol.EncodeError as exc:
+            result.stdout = result.stderr = ""
+            result.error = protocol.RankError("cpq.EncodeError", str(exc))
+            result.outcome, result.value = "failed", None
+            frame = protocol.encode(done)
+        results.send(frame)
+    log.info("shutting down")
+    _hard_exit(0)
+
+
+if __name__ == "__main__":
+    main()
