@@ -4,9 +4,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from cpq.client import BadRequest, BrokerUnavailable, Client  # noqa: E402
-from cpq.protocol import EncodeError, PoolSpec, RankError, RankResult, TaskResult  # noqa: E402
-from cpq.reset import register_reset_hook  # noqa: E402
+from cpq.client import BadRequest, BrokerUnavailable, Client
+from cpq.protocol import EncodeError, PoolSpec, RankError, RankResult, TaskResult
+from cpq.reset import register_reset_hook
 
 __all__ = [
     "BadRequest",

@@ -80,8 +80,11 @@ def _run_broker(args: argparse.Namespace) -> int:
     from cpq.security import InsecureEndpoint
 
     state = paths.state_dir()
-    log_dir = args.log_dir or state / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.log_dir:
+        log_dir = args.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        log_dir = paths.ensure_private_dir(state / "logs")
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     try:
         handlers.append(logging.FileHandler(log_dir / "broker.log"))

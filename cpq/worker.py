@@ -39,6 +39,7 @@ log = logging.getLogger("cpq.worker")
 
 EXIT_BROKER_LOST = 75
 _PIPE = "inproc://cpq-worker-results"
+_CPQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 @dataclass(frozen=True)
@@ -290,8 +291,8 @@ def _describe(exc: BaseException) -> protocol.RankError:
     )
     message = getattr(exc, "msg", None) if _is_skip(exc) else None
     tb = exc.__traceback__
-    # Hide this module's own frames: the user's traceback starts at their code.
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    # Hide cpq's own frames: the user's traceback starts at their code.
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_CPQ_DIR):
         tb = tb.tb_next
     return protocol.RankError(
         type=name,

@@ -1,0 +1,464 @@
+"""The pytest plugin: ``@pytest.mark.cpq(world_size=2)`` and the ``cpq`` fixture.
+
+Porting a distributed test is one marker: the test body is sent to every rank of a warm
+group of the right spec (through ``cpq.pytest_task``), parametrize values travel as
+msgpack, and the verdict comes back as an ordinary pass / fail / skip whose report reads
+like a local one: the first failing rank's traceback as the long repr, every other rank's
+error and every rank's captured output as report sections, and retry notes on the test's
+stderr (so JUnit's ``<system-err>`` carries them).
+
+The plugin is a client of one broker per node: every pytest session and every xdist worker
+talks to the same broker, which starts (once, under a file lock) when the first marked test
+needs it. After collection the plugin tells the broker which specs the selected tests need,
+so groups start while the first tests are being set up.
+
+Configuration, strongest first: command-line option, ``CPQ_*`` variable, ini option.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections import Counter
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cpq import paths, protocol
+from cpq.protocol import PoolSpec, TaskResult
+
+SESSION_KEY = pytest.StashKey["CpqSession"]()
+RESERVED_FIXTURES = {"cpq", "request"}
+
+
+# --------------------------------------------------------------------------- options
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cpq", "cpq: warm torchrun groups")
+    group.addoption("--cpq-endpoint", default=None, help="broker endpoint (CPQ_ENDPOINT)")
+    group.addoption(
+        "--cpq-timeout", type=float, default=None, help="default per-test deadline, s (CPQ_TIMEOUT)"
+    )
+    group.addoption(
+        "--no-cpq-autostart",
+        action="store_true",
+        default=False,
+        help="never start a background broker (CPQ_AUTOSTART=0)",
+    )
+    parser.addini("cpq_endpoint", "broker endpoint", default="")
+    parser.addini("cpq_timeout", "default per-test deadline in seconds", default="")
+    parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "cpq(world_size=2, timeout=None, env=None): run the test body on every rank of a warm "
+        "torchrun group (torch.distributed initialised)",
+    )
+    config.stash[SESSION_KEY] = CpqSession(config)
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistController(config), "cpq-xdist")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is not None:
+        session.close()
+
+
+# --------------------------------------------------------------------------- session
+
+
+@dataclass
+class Stats:
+    tasks: int = 0
+    retries: int = 0
+    errors: int = 0
+    groups: set[str] = field(default_factory=set)
+
+    def record(self, result: TaskResult) -> None:
+        self.tasks += 1
+        self.retries += result.attempts - 1
+        self.errors += result.outcome == "error"
+        if result.group_id:
+            self.groups.add(result.group_id)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "tasks": self.tasks,
+            "retries": self.retries,
+            "errors": self.errors,
+            "groups": sorted(self.groups),
+        }
+
+    def merge(self, data: dict[str, Any]) -> None:
+        self.tasks += data["tasks"]
+        self.retries += data["retries"]
+        self.errors += data["errors"]
+        self.groups.update(data["groups"])
+
+
+class CpqSession:
+    """This pytest process's connection to the broker (opened on first need)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.endpoint = (
+            config.getoption("cpq_endpoint")
+            or os.environ.get(paths.ENDPOINT_VAR)
+            or config.getini("cpq_endpoint")
+            or None
+        )
+        timeout = (
+            config.getoption("cpq_timeout")
+            or os.environ.get(paths.TIMEOUT_VAR)
+            or config.getini("cpq_timeout")
+        )
+        self.timeout = float(timeout) if timeout else paths.DEFAULT_TIMEOUT_S
+        env_autostart = os.environ.get("CPQ_AUTOSTART")
+        self.autostart = not config.getoption("no_cpq_autostart") and (
+            env_autostart != "0"
+            if env_autostart is not None
+            else bool(config.getini("cpq_autostart"))
+        )
+        self.stats = Stats()
+        self._client: Any = None
+        self._roots: list[str] | None = None
+        self.started_broker = False
+        self.warmed: dict[PoolSpec, int] = {}
+
+    def resolved_endpoint(self) -> str:
+        return self.endpoint or paths.default_endpoint()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from cpq.autostart import ensure_broker
+            from cpq.client import Client
+
+            endpoint = self.resolved_endpoint()
+            if self.autostart and endpoint.startswith("ipc://"):
+                self.started_broker = ensure_broker(endpoint)
+            self._client = Client(endpoint, name="pytest")
+        return self._client
+
+    def roots(self) -> list[str]:
+        """Import roots: rootdir, the user's sys.path entries (not the stdlib or
+        site-packages), and PYTHONPATH. Computed once so warm-up and tasks agree."""
+        if self._roots is None:
+            skip = {
+                sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")
+            }
+            roots = [str(self.config.rootpath)]
+            for entry in sys.path:
+                path = os.path.abspath(entry or os.getcwd())
+                if (
+                    os.path.isdir(path)
+                    and path not in skip
+                    and "site-packages" not in path
+                    and "dist-packages" not in path
+                    and not path.startswith(sys.base_prefix + os.sep + "lib")
+                ):
+                    roots.append(path)
+            roots += [
+                os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+            ]
+            self._roots = list(dict.fromkeys(roots))
+        return self._roots
+
+    def spec(self, world_size: int, env: dict[str, str] | None) -> PoolSpec:
+        from cpq.client import make_spec
+
+        return make_spec(world_size, env, self.roots())
+
+    def submit(
+        self,
+        target: str,
+        world_size: int,
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        env: dict[str, str] | None,
+        test_id: str,
+    ) -> TaskResult:
+        result: TaskResult = self.client.submit(
+            target,
+            world_size,
+            kwargs,
+            timeout=timeout or self.timeout,
+            env=env,
+            test_id=test_id,
+            roots=self.roots(),
+        )
+        self.stats.record(result)
+        return result
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def _marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] | None] | None:
+    marker = item.get_closest_marker("cpq")
+    if marker is None:
+        return None
+    kwargs = dict(marker.kwargs)
+    if marker.args:
+        kwargs.setdefault("world_size", marker.args[0])
+    unknown = set(kwargs) - {"world_size", "timeout", "env"}
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: unknown cpq marker argument(s) {sorted(unknown)}")
+    world_size = kwargs.get("world_size", 2)
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise pytest.UsageError(f"{item.nodeid}: cpq world_size must be an int, got {world_size!r}")
+    return world_size, kwargs.get("timeout"), kwargs.get("env")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the groups the selected tests need while the first tests are being set up."""
+    cpq_session = session.config.stash[SESSION_KEY]
+    needed: Counter[PoolSpec] = Counter()
+    for item in session.items:
+        args = _marker_args(item)
+        if args is not None:
+            needed[cpq_session.spec(args[0], args[2])] += 1
+    if not needed:
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    specs = list(needed)
+    counts = [min(needed[s], workers) for s in specs]
+    try:
+        cpq_session.client.warm(specs, counts)
+    except Exception as exc:  # warm-up is an optimisation; the tests will report the problem
+        session.config.issue_config_time_warning(
+            pytest.PytestWarning(f"cpq: could not warm groups: {exc}"), stacklevel=2
+        )
+        return
+    cpq_session.warmed = dict(zip(specs, counts, strict=True))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    from cpq.autostart import broker_alive
+
+    session = config.stash[SESSION_KEY]
+    try:
+        endpoint = session.resolved_endpoint()
+    except paths.UnsafeStateDir as exc:
+        return [f"cpq: {exc}"]
+    if endpoint.startswith("ipc://") and not broker_alive(endpoint):
+        how = "starts when a cpq test runs" if session.autostart else "autostart is off"
+        return [f"cpq: no broker at {endpoint} ({how})"]
+    try:
+        status = session.client.status()
+    except Exception as exc:
+        return [f"cpq: broker at {endpoint} not answering: {exc}"]
+    broker = status["broker"]
+    groups = Counter(f"{p['spec']}[{p['state']}]" for p in status["pools"])
+    listing = ", ".join(f"{k}×{v}" for k, v in sorted(groups.items())) or "none yet"
+    return [
+        f"cpq: broker {endpoint} pid {broker['pid']} GPUs {','.join(broker['gpus']) or 'none'}; "
+        f"groups: {listing}"
+    ]
+
+
+# --------------------------------------------------------------------------- running
+
+
+class CpqTaskFailed(Exception):
+    """A task failed or errored on the ranks; its report is built from the ranks' reports."""
+
+    def __init__(self, result: TaskResult, target: str) -> None:
+        super().__init__(result.message or result.outcome)
+        self.result = result
+        self.target = target
+
+    def longrepr(self) -> str:
+        result = self.result
+        ranks = result.failed_ranks
+        if result.outcome == "error":
+            head = f"cpq infra error running {self.target}: {result.message}"
+        else:
+            head = f"cpq: {self.target} failed on rank(s) {[r.rank for r in ranks]} (group {result.group_id})"
+            if result.message:
+                head += f"\n{result.message}"
+        first = next((r for r in ranks if r.error is not None), None)
+        body = ""
+        if first is not None and first.error is not None:
+            body = f"\n--- rank {first.rank} ---\n" + (
+                first.error.traceback or f"{first.error.type}: {first.error.message}"
+            )
+        notes = "".join(f"\n{note}" for note in result.notes)
+        return head + notes + body
+
+
+def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
+    """Turn a verdict into this test's outcome (the shared path of marker and fixture)."""
+    for note in result.notes:
+        sys.stderr.write(note + "\n")
+    failed = result.failed_ranks
+    for rank in result.ranks:
+        if rank.stdout:
+            item.add_report_section("call", f"stdout rank {rank.rank}", rank.stdout)
+        if rank.stderr:
+            item.add_report_section("call", f"stderr rank {rank.rank}", rank.stderr)
+    for rank in failed[1:]:
+        if rank.error is not None:
+            item.add_report_section(
+                "call", f"error rank {rank.rank}", rank.error.traceback or rank.error.message
+            )
+    if result.outcome == "passed":
+        return
+    if result.outcome == "skipped":
+        pytest.skip(result.message or "skipped on every rank")
+    raise CpqTaskFailed(result, target)
+
+
+def _travelling_args(item: pytest.Function) -> dict[str, Any]:
+    params = getattr(item, "callspec", None)
+    param_names = set(params.params) if params is not None else set()
+    args: dict[str, Any] = {}
+    for name in item._fixtureinfo.argnames:
+        value = item.funcargs[name]
+        if name in RESERVED_FIXTURES:
+            pytest.fail(
+                f"a @pytest.mark.cpq test runs on the ranks and cannot use the {name!r} fixture",
+                pytrace=False,
+            )
+        problem = _encoding_problem(value)
+        if problem:
+            if name in param_names:
+                what = f"parameter {name!r} = {value!r} (a {type(value).__name__})"
+            else:
+                what = f"fixture {name!r} (a {type(value).__name__})"
+            pytest.fail(
+                f"{what} cannot travel to the ranks: {problem}. Only msgpack-able values (None, "
+                "bool, int, float, str, bytes, lists and dicts of them) travel; build other "
+                "objects inside the test body.",
+                pytrace=False,
+            )
+        args[name] = value
+    return args
+
+
+def _encoding_problem(value: Any) -> str:
+    try:
+        protocol.pack(value)
+    except protocol.EncodeError as exc:
+        return str(exc.__cause__ or exc)
+    return ""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    marker = _marker_args(pyfuncitem)
+    if marker is None:
+        return None
+    world_size, timeout, env = marker
+    session = pyfuncitem.config.stash[SESSION_KEY]
+    args = _travelling_args(pyfuncitem)
+    function = pyfuncitem.function
+    path = os.path.abspath(function.__code__.co_filename)
+    kwargs = {
+        "path": path,
+        "module": function.__module__,
+        "name": function.__qualname__,
+        "args": args,
+    }
+    target = "cpq.pytest_task:run_test"
+    result = session.submit(target, world_size, kwargs, timeout, env, pyfuncitem.nodeid)
+    report_result(pyfuncitem, result, pyfuncitem.nodeid)
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, Any]:
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
+        report.longrepr = call.excinfo.value.longrepr()
+    return report
+
+
+# --------------------------------------------------------------------------- fixture
+
+
+class CpqRunner:
+    """The ``cpq`` fixture: ``cpq.run("module:function", world_size=2, **kwargs)``."""
+
+    def __init__(self, item: pytest.Item, session: CpqSession) -> None:
+        self._item = item
+        self._session = session
+
+    def run(
+        self,
+        target: str,
+        world_size: int = 2,
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> TaskResult:
+        """Run ``target(**kwargs)`` on every rank; fail or skip this test like a local call."""
+        try:
+            result = self._session.submit(
+                target, world_size, kwargs, timeout, env, self._item.nodeid
+            )
+        except protocol.EncodeError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        report_result(self._item, result, target)
+        return result
+
+
+@pytest.fixture
+def cpq(request: pytest.FixtureRequest) -> CpqRunner:
+    return CpqRunner(request.node, request.config.stash[SESSION_KEY])
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the stats to the controller
+        workeroutput["cpq"] = session.config.stash[SESSION_KEY].stats.to_wire()
+
+
+class _XdistController:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        data = getattr(node, "workeroutput", {}).get("cpq")
+        if data:
+            self.config.stash[SESSION_KEY].stats.merge(data)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    session = config.stash[SESSION_KEY]
+    stats = session.stats
+    if not stats.tasks:
+        return
+    line = (
+        f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {stats.retries} retr(y/ies)"
+    )
+    try:
+        totals = session.client.status()["totals"]
+        if totals["groups_started"]:
+            spawn = totals["group_start_s"] / totals["groups_started"]
+            saved = max(0, stats.tasks - len(stats.groups)) * spawn
+            line += f"; warm groups saved ~{saved:.0f}s of spawns ({spawn:.1f}s each)"
+    except Exception:  # the summary must never fail a run
+        pass
+    terminalreporter.write_sep("-", line)
+
+
+__all__ = ["CpqRunner", "CpqTaskFailed", "cpq"]
