@@ -63,6 +63,7 @@ class BrokerConfig:
     max_tasks_per_group: int = 0
     default_timeout_s: float = 90.0
     insecure: bool = False
+    scale_up_after_s: float = 1.0
 
 
 # --------------------------------------------------------------------------- state
@@ -125,6 +126,7 @@ class Group:
     started_at: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     ready_after_s: float | None = None
+    ready_at: float = 0.0
     last_used: float = field(default_factory=time.monotonic)
     rss_mb: dict[int, float] = field(default_factory=dict)
     stop_reason: str = ""
@@ -354,7 +356,7 @@ class Broker:
         module, sep, attr = message.target.partition(":")
         if not sep or not module or not attr:
             return f"target {message.target!r} must look like 'package.module:function'"
-        if message.timeout is not None and message.timeout <= 0:
+        if message.timeout is not None and not message.timeout > 0:  # NaN too: never fires
             return f"timeout must be positive, got {message.timeout}"
         impossible = self.resources.impossible(message.spec)
         if impossible:
@@ -430,7 +432,8 @@ class Broker:
             and all(r.ready for r in group.ranks.values())
         ):
             group.state = "idle"
-            group.ready_after_s = time.monotonic() - group.started_at
+            group.ready_at = time.monotonic()
+            group.ready_after_s = group.ready_at - group.started_at
             group.last_used = time.monotonic()
             self.totals.group_start_s += group.ready_after_s
             log.info(
@@ -472,13 +475,28 @@ class Broker:
                 task = self.queues.pop(spec)
                 assert task is not None
                 self._dispatch(task, group)
-            pending = self.queues.depth(spec)
-            starting = sum(
-                1 for g in self.groups.values() if g.spec == spec and g.state == "starting"
-            )
-            needed = pending - starting
-            while needed > 0 and self._start_group(spec, evict=True) is not None:
-                needed -= 1
+            if self.queues.depth(spec) and self._should_grow(spec):
+                live = any(g.spec == spec and g.state != "stopping" for g in self.groups.values())
+                self._start_group(spec, evict=not live)
+
+    def _should_grow(self, spec: PoolSpec) -> bool:
+        """Start another group of ``spec`` for its queued tasks?
+
+        Always when it has none. Otherwise only when none is already starting and the oldest
+        task has waited ``scale_up_after_s``: a warm group clears a queue of fast tests in
+        milliseconds, far sooner than a new group could start, so extra groups are for
+        queues that stay long (slow tests, many concurrent clients). The pytest plugin's
+        warm-up asks for one group per xdist worker up front, which covers the common case.
+        """
+        live = [g for g in self.groups.values() if g.spec == spec and g.state != "stopping"]
+        if not live:
+            return True
+        if any(g.state == "starting" for g in live):
+            return False
+        # Waiting counts from when the pool could first have served: time spent waiting for
+        # the pool's own start says nothing about whether it keeps up.
+        since = max(self.queues.by_spec[spec].oldest(), max(g.ready_at for g in live))
+        return time.monotonic() - since >= self.config.scale_up_after_s
 
     def _idle_group(self, spec: PoolSpec) -> Group | None:
         idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
@@ -770,6 +788,8 @@ class Broker:
                 self._drop_client(client, f"silent for {now - client.last_seen:.1f}s")
         for group in list(self.groups.values()):
             self._tick_group(group, now, silence)
+        if self.queues:
+            self._schedule()  # queued tasks may have waited long enough to grow a pool
         if self.draining and not self.tasks:
             self._stop_now("drained")
         if self.tasks or self.clients:

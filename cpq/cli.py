@@ -69,6 +69,12 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="recycle a group after N tasks (0: never)",
     )
     parser.add_argument(
+        "--scale-up-after",
+        type=float,
+        default=1.0,
+        help="start another group of a busy spec once a task has queued this long (s)",
+    )
+    parser.add_argument(
         "--insecure", action="store_true", help="allow a tcp endpoint without keys (loopback only)"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -116,6 +122,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         max_tasks_per_group=args.max_tasks_per_group,
         default_timeout_s=args.timeout or paths.default_timeout(),
         insecure=args.insecure,
+        scale_up_after_s=args.scale_up_after,
     )
     try:
         run_broker(config)

@@ -57,13 +57,16 @@ def make_spec(
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
         raise BadRequest(f"env values must be strings: {bad!r}")
-    return PoolSpec(
-        world_size=world_size,
-        python=python or sys.executable,
-        roots=list(roots) if roots is not None else default_roots(),
-        env=[[k, env[k]] for k in sorted(env)],
-        backend=backend,
-    )
+    try:
+        return PoolSpec(
+            world_size=world_size,
+            python=python or sys.executable,
+            roots=list(roots) if roots is not None else default_roots(),
+            env=[[k, env[k]] for k in sorted(env)],
+            backend=backend,
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> None:

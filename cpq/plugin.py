@@ -447,9 +447,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     stats = session.stats
     if not stats.tasks:
         return
-    line = (
-        f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {stats.retries} retr(y/ies)"
-    )
+    retries = f"{stats.retries} retr{'y' if stats.retries == 1 else 'ies'}"
+    line = f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {retries}"
     try:
         totals = session.client.status()["totals"]
         if totals["groups_started"]:

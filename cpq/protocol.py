@@ -65,6 +65,17 @@ class PoolSpec:
     env: list[list[str]] = field(default_factory=list)
     backend: str = ""
 
+    def __post_init__(self) -> None:
+        """Refuse a spec no process could be started with (it must not reach ``Popen``)."""
+        for pair in self.env:
+            if len(pair) != 2 or not all(isinstance(part, str) for part in pair):
+                raise ValueError(f"env must hold [name, value] string pairs, got {pair!r}")
+            if not pair[0] or "=" in pair[0]:
+                raise ValueError(f"env name {pair[0]!r} is not a valid variable name")
+        texts = [self.python, self.backend, *self.roots, *(part for p in self.env for part in p)]
+        if any(isinstance(text, str) and "\x00" in text for text in texts):
+            raise ValueError("the pool spec (python, roots or env) contains a NUL byte")
+
     def key(self) -> tuple[Any, ...]:
         return (
             self.world_size,
@@ -395,7 +406,7 @@ def _from_wire(cls: type[_T], data: Any, where: str) -> _T:
             values[name] = _check(hint, data[name], f"{where}.{name}")
     try:
         return cls(**values)
-    except TypeError as exc:  # a required field is missing
+    except (TypeError, ValueError) as exc:  # a required field is missing, or a record refused
         raise ProtocolError(f"{where}: {exc}") from None
 
 

@@ -262,7 +262,7 @@ def run_task(task: protocol.RunTask, rank: int, baseline: Baseline) -> protocol.
         with capture:
             try:
                 value = resolve_target(task.target)(**task.kwargs)
-                protocol.pack(value)  # refuse a return value that cannot travel, here
+                _check_return_value(task.target, value)
             except BaseException as exc:  # the task's failure is data, not our crash
                 outcome = "skipped" if _is_skip(exc) else "failed"
                 error = _describe(exc)
@@ -280,6 +280,18 @@ def run_task(task: protocol.RunTask, rank: int, baseline: Baseline) -> protocol.
         peak_cuda_mb=_peak_cuda_mb(),
         value=value,
     )
+
+
+def _check_return_value(target: str, value: Any) -> None:
+    """Refuse a return value that cannot travel here, saying so in the user's terms."""
+    try:
+        protocol.pack(value)
+    except protocol.EncodeError as exc:
+        raise protocol.EncodeError(
+            f"the return value of {target} (a {type(value).__name__}) cannot be sent back: "
+            f"{exc.__cause__ or exc}. Return msgpack-able values (None, bool, int, float, str, "
+            "bytes, lists and dicts of them), e.g. tensor.tolist() instead of a tensor."
+        ) from None
 
 
 def _describe(exc: BaseException) -> protocol.RankError:

@@ -1,0 +1,223 @@
+"""Acceptance tests of the pytest plugin through ``pytester`` (real pytest sessions, real
+broker, real torchrun groups). Each ``runpytest_subprocess`` is a separate pytest process,
+the way a user runs it; they all talk to the session's shared broker."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpq import Client
+
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SUITE = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.cpq(world_size=2)
+def test_all_reduce():
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert t.tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.cpq(world_size=2)
+def test_rank1_fails():
+    rank = dist.get_rank()
+    print(f"output of rank {rank}")
+    assert rank != 1, "rank one disagrees"
+
+
+@pytest.mark.cpq(world_size=2)
+def test_inline_skip():
+    if dist.get_world_size() == 2:
+        pytest.skip("needs a bigger world")
+
+
+@pytest.mark.skipif(True, reason="skipif is evaluated locally")
+@pytest.mark.cpq(world_size=2)
+def test_skipif():
+    raise AssertionError("must not run")
+
+
+@pytest.mark.cpq(world_size=2)
+@pytest.mark.parametrize("n", range(6))
+def test_param(n):
+    t = torch.tensor([float(n)])
+    dist.all_reduce(t)
+    assert t.item() == 2 * n
+
+
+@pytest.mark.cpq(world_size=2)
+@pytest.mark.parametrize("obj", [object()], ids=["object"])
+def test_unserialisable_param(obj):
+    pass
+
+
+@pytest.mark.cpq(world_size=2)
+def test_local_fixture_refused(tmp_path):
+    pass
+
+
+def test_fixture_style(cpq):
+    result = cpq.run("workers.collectives:all_reduce_check", world_size=2, numel=4)
+    assert result.value["sum"] == 3.0
+"""
+
+
+@pytest.fixture
+def suite_env(broker: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Sessions see the shared broker and can import this repository's ``workers``."""
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return broker
+
+
+def test_marker_suite_reads_like_local_pytest(pytester: pytest.Pytester, suite_env: str) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=8, failed=3, skipped=2)
+    out = result.stdout.str()
+    # The failing rank's own traceback is the long repr, with pytest's assertion explanation.
+    assert "failed on rank(s) [1]" in out
+    assert 'assert rank != 1, "rank one disagrees"' in out
+    assert "AssertionError: rank one disagrees" in out
+    # Every rank's output is a report section.
+    assert "Captured stdout rank 0" in out and "output of rank 0" in out
+    assert "Captured stdout rank 1" in out and "output of rank 1" in out
+    assert "needs a bigger world" in out
+    assert "skipif is evaluated locally" in out
+    assert "parameter 'obj'" in out and "cannot travel to the ranks" in out
+    assert "fixture 'tmp_path' (a PosixPath) cannot travel" in out
+    # Eleven tasks reached the ranks (skipif and the refused ones did not), all on one group.
+    match = re.search(r"cpq: (\d+) task\(s\) on (\d+) group\(s\)", out)
+    assert match is not None, out
+    assert match.groups() == ("10", "1")
+
+
+FLAKY_INFRA = """
+import os
+import signal
+import pytest
+import torch.distributed as dist
+
+MARKER = {marker!r}
+
+
+@pytest.mark.cpq(world_size=2, env={{"CPQ_TEST_POOL": "plugin-faults"}})
+def test_survives_a_dead_rank():
+    if dist.get_rank() == 1 and not os.path.exists(MARKER):
+        open(MARKER, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_retry_note_reaches_junit_system_err(
+    pytester: pytest.Pytester, suite_env: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "killed-once"
+    pytester.makepyfile(test_flaky=FLAKY_INFRA.format(marker=str(marker)))
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_logging=system-err"
+    )
+    result.assert_outcomes(passed=1)
+    assert marker.exists(), "the fault was never injected"
+    xml = junit.read_text()
+    system_err = re.search(r"<system-err>(.*?)</system-err>", xml, re.S)
+    assert system_err is not None, xml
+    assert "[CPQ-RETRY]" in system_err.group(1)
+    assert "1 retry" in result.stdout.str()
+
+
+XDIST_SUITE = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.cpq(world_size=2)
+@pytest.mark.parametrize("n", range(8))
+def test_sum(n):
+    t = torch.tensor([float(n + dist.get_rank())])
+    dist.all_reduce(t)
+    assert t.item() == 2 * n + 1
+"""
+
+
+def test_xdist_workers_share_one_broker(pytester: pytest.Pytester, suite_env: str) -> None:
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_x=XDIST_SUITE)
+    with Client(suite_env) as client:
+        before = client.status()
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=8)
+    with Client(suite_env) as client:
+        after = client.status()
+    # Both workers were clients of the one shared broker...
+    assert after["broker"]["pid"] == before["broker"]["pid"]
+    assert after["totals"]["submitted"] - before["totals"]["submitted"] == 8
+    # ...and groups are counted per spec: at most one per concurrently submitting worker.
+    match = re.search(r"cpq: (\d+) task\(s\) on (\d+) group\(s\)", result.stdout.str())
+    assert match is not None, result.stdout.str()
+    assert match.group(1) == "8"
+    assert 1 <= int(match.group(2)) <= 2
+
+
+RACE_TEST = """
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.cpq(world_size=2)
+def test_rank():
+    assert dist.get_world_size() == 2
+"""
+
+
+def test_autostart_race_ends_with_one_broker(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    monkeypatch.delenv("CPQ_ENDPOINT", raising=False)
+    monkeypatch.setenv("CPQ_STATE_DIR", str(state))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makepyfile(test_race=RACE_TEST)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_race.py"]
+    sessions = [
+        subprocess.Popen(
+            command, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for _ in range(2)
+    ]
+    outputs = [s.communicate(timeout=240)[0].decode() for s in sessions]
+    endpoint = f"ipc://{state / 'broker.sock'}"
+    try:
+        for session, output in zip(sessions, outputs, strict=True):
+            assert session.returncode == 0, output
+        log = (state / "logs" / "broker-autostart.log").read_text()
+        assert log.count("serving ipc://") == 1, log
+        with Client(endpoint) as client:
+            status = client.status()
+        assert status["totals"]["submitted"] == 2
+        assert status["totals"]["groups_started"] == 1
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "cpq.cli", "stop", "--endpoint", endpoint],
+            env=dict(os.environ),
+            capture_output=True,
+            timeout=30,
+        )
