@@ -32,18 +32,25 @@ def _bounded_read(handle: IO[bytes], limit: int) -> str:
 
 
 class FdCapture:
-    """``with FdCapture(limit) as cap: ...`` then ``cap.stdout`` and ``cap.stderr``."""
+    """``with FdCapture(limit) as cap: ...`` then ``cap.stdout`` and ``cap.stderr``.
+
+    One instance is reused for every task of a rank: its two spool files are created once
+    and truncated before each use, which keeps file creation off the per-task path.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.stdout = ""
         self.stderr = ""
+        self._spools = [tempfile.TemporaryFile(prefix="cpq-capture-") for _ in (1, 2)]
         self._saved: list[tuple[int, int, IO[bytes]]] = []
 
     def __enter__(self) -> FdCapture:
+        self.stdout = self.stderr = ""
         _flush_python_streams()
-        for fd in (1, 2):
-            spool = tempfile.TemporaryFile(prefix="cpq-capture-")
+        for fd, spool in zip((1, 2), self._spools, strict=True):
+            spool.seek(0)
+            spool.truncate()
             saved = os.dup(fd)
             os.dup2(spool.fileno(), fd)
             self._saved.append((fd, saved, spool))
@@ -60,8 +67,7 @@ class FdCapture:
         for fd, saved, spool in self._saved:
             os.dup2(saved, fd)
             os.close(saved)
-            with spool:
-                texts.append(_bounded_read(spool, self.limit))
+            texts.append(_bounded_read(spool, self.limit))
         self.stdout, self.stderr = texts
         self._saved.clear()
 

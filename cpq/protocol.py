@@ -15,6 +15,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import msgpack
@@ -77,13 +78,18 @@ class PoolSpec:
             raise ValueError("the pool spec (python, roots or env) contains a NUL byte")
 
     def key(self) -> tuple[Any, ...]:
-        return (
-            self.world_size,
-            self.backend,
-            self.python,
-            tuple(self.roots),
-            tuple(tuple(p) for p in self.env),
-        )
+        # Specs are dict keys on the broker's hot path; the key is computed once.
+        cached = self.__dict__.get("_key")
+        if cached is None:
+            cached = (
+                self.world_size,
+                self.backend,
+                self.python,
+                tuple(self.roots),
+                tuple(tuple(p) for p in self.env),
+            )
+            object.__setattr__(self, "_key", cached)
+        return cached
 
     def __hash__(self) -> int:
         return hash(self.key())
@@ -325,13 +331,49 @@ class Shutdown(Message):
 
 
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    return value
+    """Records become maps; user data (``Any`` fields) is left for msgpack as it is."""
+    encoder = _encoder(type(value))
+    return encoder(value) if encoder is not None else value
+
+
+_ENCODERS: dict[type, Callable[[Any], dict[str, Any]] | None] = {}
+
+
+def _encoder(cls: type) -> Callable[[Any], dict[str, Any]] | None:
+    if cls in _ENCODERS:
+        return _ENCODERS[cls]
+    if not dataclasses.is_dataclass(cls):
+        _ENCODERS[cls] = None
+        return None
+    plan = []
+    for name, hint in _hints(cls).items():
+        nested = _nested_record(hint)
+        plan.append((name, nested))
+
+    def encode_record(value: Any) -> dict[str, Any]:
+        out = {}
+        for name, nested in plan:
+            item = getattr(value, name)
+            if nested == "one" and item is not None:
+                item = _to_wire(item)
+            elif nested == "list":
+                item = [_to_wire(v) for v in item]
+            out[name] = item
+        return out
+
+    _ENCODERS[cls] = encode_record
+    return encode_record
+
+
+def _nested_record(hint: Any) -> str:
+    """Whether a field holds a record ("one"), a list of records ("list"), or plain data."""
+    options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    for option in options:
+        if dataclasses.is_dataclass(option):
+            return "one"
+        if get_origin(option) is list and dataclasses.is_dataclass(get_args(option)[0]):
+            return "list"
+    return ""
 
 
 def pack(value: Any) -> bytes:
@@ -393,58 +435,106 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
+Check = Callable[[Any, str], Any]
+_CHECKS: dict[Any, Check] = {}
+
+
 def _from_wire(cls: type[_T], data: Any, where: str) -> _T:
-    if not isinstance(data, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-    hints = _hints(cls)
-    unknown = set(data) - set(hints)
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {sorted(unknown)}")
-    values = {}
-    for name, hint in hints.items():
-        if name in data:
-            values[name] = _check(hint, data[name], f"{where}.{name}")
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:  # a required field is missing, or a record refused
-        raise ProtocolError(f"{where}: {exc}") from None
+    return _checker(cls)(data, where)  # type: ignore[no-any-return]
 
 
-def _check(hint: Any, value: Any, where: str) -> Any:
+def _checker(hint: Any) -> Check:
+    """A validating converter for ``hint``, built once per type and cached.
+
+    Decoding is on the hot path of every task (broker and ranks), so the type hints are
+    interpreted once here rather than on every message.
+    """
+    check = _CHECKS.get(hint)
+    if check is None:
+        check = _CHECKS[hint] = _build_checker(hint)
+    return check
+
+
+def _build_checker(hint: Any) -> Check:
     if hint is Any:
-        return value
+        return lambda value, where: value
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
-        for option in get_args(hint):
-            if option is type(None) and value is None:
+        optional = type(None) in get_args(hint)
+        options = [_checker(o) for o in get_args(hint) if o is not type(None)]
+
+        def check_union(value: Any, where: str) -> Any:
+            if value is None and optional:
                 return None
-        last: ProtocolError | None = None
-        for option in get_args(hint):
-            if option is type(None):
-                continue
-            try:
-                return _check(option, value, where)
-            except ProtocolError as exc:
-                last = exc
-        raise last or ProtocolError(f"{where}: unexpected {type(value).__name__}")
+            error: ProtocolError | None = None
+            for option in options:
+                try:
+                    return option(value, where)
+                except ProtocolError as exc:
+                    error = exc
+            raise error or ProtocolError(f"{where}: unexpected {type(value).__name__}")
+
+        return check_union
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = get_args(hint)
-        return [_check(item, v, where) for v in value]
+        item = _checker(get_args(hint)[0])
+        plain = get_args(hint)[0] is Any
+
+        def check_list(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+            return value if plain else [item(v, where) for v in value]
+
+        return check_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        _, item = get_args(hint)
-        return {k: _check(item, v, where) for k, v in value.items()}
+        item = _checker(get_args(hint)[1])
+        plain = get_args(hint)[1] is Any
+
+        def check_map(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+            return value if plain else {k: item(v, where) for k, v in value.items()}
+
+        return check_map
     if dataclasses.is_dataclass(hint):
-        return _from_wire(hint, value, where)
+        return _record_checker(hint)
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+
+        def check_float(value: Any, where: str) -> Any:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise ProtocolError(f"{where}: expected float, got {type(value).__name__}")
+
+        return check_float
+    exact = hint
+
+    def check_scalar(value: Any, where: str) -> Any:
+        if isinstance(value, exact) and not (exact is int and isinstance(value, bool)):
             return value
-    elif isinstance(value, hint):
-        return value
-    raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        raise ProtocolError(f"{where}: expected {exact.__name__}, got {type(value).__name__}")
+
+    return check_scalar
+
+
+def _record_checker(cls: type) -> Check:
+    fields = {name: _checker(hint) for name, hint in _hints(cls).items()}
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+
+    def check_record(data: Any, where: str) -> Any:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+        values = {}
+        for name, value in data.items():
+            check = fields.get(name)
+            if check is None:
+                raise ProtocolError(f"{where}: unknown field {name!r}")
+            values[name] = check(value, f"{where}.{name}")
+        missing = required - values.keys()
+        if missing:
+            raise ProtocolError(f"{where}: missing field(s) {sorted(missing)}")
+        return cls(**values)
+
+    return check_record

@@ -42,6 +42,16 @@ class Baseline:
     def capture(cls) -> Baseline:
         return cls(dict(os.environ), os.getcwd(), sys.stdout, sys.stderr)
 
+    def environ_changed(self) -> bool:
+        # os.environ's own __eq__ decodes every entry (~150 us); its private byte dict
+        # compares in C. Fall back to the public mapping where that attribute is missing.
+        data = getattr(os.environ, "_data", None)
+        if data is not None:
+            if not hasattr(self, "_data"):
+                self._data = {os.fsencode(k): os.fsencode(v) for k, v in self.environ.items()}
+            return data != self._data
+        return os.environ != self.environ
+
 
 def load_hooks_from_env() -> None:
     for spec in filter(None, os.environ.get("CPQ_RESET_HOOKS", "").split(",")):
@@ -50,7 +60,7 @@ def load_hooks_from_env() -> None:
 
 
 def reset_state(baseline: Baseline, seed: int) -> None:
-    if os.environ != baseline.environ:
+    if baseline.environ_changed():
         os.environ.clear()
         os.environ.update(baseline.environ)
     if os.getcwd() != baseline.cwd:
@@ -62,8 +72,12 @@ def reset_state(baseline: Baseline, seed: int) -> None:
         numpy.random.seed(seed)
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.manual_seed(seed)  # seeds every CUDA device too
+        # Not torch.manual_seed: it records a Python stack for lazy CUDA/XPU seeding on every
+        # call (~1 ms), which would dominate a warm no-op task. CUDA is seeded directly once
+        # it is initialised (nccl groups initialise it at start-up).
+        torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

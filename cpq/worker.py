@@ -253,10 +253,11 @@ def _peak_cuda_mb() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_task(task: protocol.RunTask, rank: int, baseline: Baseline) -> protocol.RankResult:
+def run_task(
+    task: protocol.RunTask, rank: int, baseline: Baseline, capture: FdCapture
+) -> protocol.RankResult:
     outcome, error, value = "passed", None, None
     start = time.perf_counter()
-    capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     try:
         reset_state(baseline, task.seed)
         with capture:
@@ -338,8 +339,9 @@ def main() -> None:
     results.send(protocol.encode(ready))
     log.info("ready after %.2fs", ready.startup_s)
     baseline = Baseline.capture()
+    capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     while (task := io.tasks.get()) is not None:
-        result = run_task(task, config.rank, baseline)
+        result = run_task(task, config.rank, baseline, capture)
         done = protocol.RankDone(task_id=task.task_id, result=result, rss_mb=_rss_mb())
         try:
             frame = protocol.encode(done)

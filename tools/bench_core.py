@@ -1,0 +1,145 @@
+"""Core speed benchmark: round trip, throughput and group start of one broker.
+
+Starts a private ``cpq-broker``, then on one ws=2 gloo group measures:
+
+* spawn → ready: how long a new group takes before it can take a task (and the first
+  task's wall time including that spawn);
+* round trip of a no-op task, one at a time (p50 / p90 / p99 / max);
+* throughput with 1 and with 8 tasks in flight (``Client.submit_async``).
+
+Usage: ``python tools/bench_core.py [--tasks 2000] [--json tools/results/bench_core.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cpq import Client, TaskResult  # noqa: E402
+from cpq.autostart import broker_alive  # noqa: E402
+
+NOOP = "workers.collectives:noop"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def throughput(client: Client, tasks: int, in_flight: int) -> float:
+    window: deque[Future[TaskResult]] = deque()
+    start = time.perf_counter()
+    for _ in range(tasks):
+        if len(window) >= in_flight:
+            assert window.popleft().result().outcome == "passed"
+        window.append(client.submit_async(NOOP, 2, roots=[str(ROOT)]))
+    while window:
+        assert window.popleft().result().outcome == "passed"
+    return tasks / (time.perf_counter() - start)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--json", type=Path, default=ROOT / "tools" / "results" / "bench_core.json")
+    args = parser.parse_args()
+
+    state = Path(tempfile.mkdtemp(prefix="cpq-bench-"))
+    endpoint = f"ipc://{state / 'broker.sock'}"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, "--gpus", "none"],
+        env=dict(os.environ, CPQ_STATE_DIR=str(state)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while not broker_alive(endpoint):
+            time.sleep(0.01)
+        with Client(endpoint, name="bench_core") as client:
+            started = time.perf_counter()
+            first = client.submit(NOOP, 2, roots=[str(ROOT)])
+            first_wall = time.perf_counter() - started
+            assert first.outcome == "passed", first
+            ready_after = client.status()["pools"][0]["ready_after_s"]
+            for _ in range(50):  # warm the path (allocators, caches) before measuring
+                client.submit(NOOP, 2, roots=[str(ROOT)])
+            round_trips = []
+            for _ in range(args.tasks):
+                t0 = time.perf_counter()
+                result = client.submit(NOOP, 2, roots=[str(ROOT)])
+                round_trips.append(time.perf_counter() - t0)
+                assert result.outcome == "passed"
+            rate_1 = throughput(client, args.tasks, 1)
+            rate_8 = throughput(client, args.tasks, 8)
+            groups = client.status()["totals"]["groups_started"]
+    finally:
+        broker.terminate()
+        broker.wait(timeout=30)
+
+    ms = [t * 1000 for t in round_trips]
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores, {cpu_model()}, no GPU",
+        "python": platform.python_version(),
+        "command": "python tools/bench_core.py --tasks " + str(args.tasks),
+        "tasks": args.tasks,
+        "group_ready_s": ready_after,
+        "first_task_wall_s": first_wall,
+        "round_trip_ms": {
+            "p50": statistics.median(ms),
+            "p90": percentile(ms, 0.90),
+            "p99": percentile(ms, 0.99),
+            "max": max(ms),
+            "mean": statistics.fmean(ms),
+        },
+        "throughput_per_s": {"in_flight_1": rate_1, "in_flight_8": rate_8},
+        "groups_started": groups,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    rt = results["round_trip_ms"]
+    rows = [
+        ("group spawn -> ready (ws=2 gloo)", f"{ready_after:.2f} s"),
+        ("first task incl. spawn", f"{first_wall:.2f} s"),
+        ("no-op round trip p50", f"{rt['p50']:.3f} ms"),
+        ("no-op round trip p90", f"{rt['p90']:.3f} ms"),
+        ("no-op round trip p99", f"{rt['p99']:.3f} ms"),
+        ("no-op round trip max", f"{rt['max']:.3f} ms"),
+        ("throughput, 1 in flight", f"{rate_1:.0f} tasks/s"),
+        ("throughput, 8 in flight", f"{rate_8:.0f} tasks/s"),
+        ("groups started", str(groups)),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"\ncpq core benchmark — {results['machine']}, {args.tasks} tasks")
+    for name, value in rows:
+        print(f"  {name.ljust(width)}  {value}")
+    print(f"\nwritten to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
