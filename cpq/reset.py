@@ -53,6 +53,14 @@ class Baseline:
         return os.environ != self.environ
 
 
+DEFAULT_KEEP_ENV = ("NVTE_CUDA_INCLUDE_DIR",)
+
+
+def _kept_env_names() -> tuple[str, ...]:
+    extra = os.environ.get("CPQ_KEEP_ENV", "")
+    return DEFAULT_KEEP_ENV + tuple(n.strip() for n in extra.split(",") if n.strip())
+
+
 def load_hooks_from_env() -> None:
     for spec in filter(None, os.environ.get("CPQ_RESET_HOOKS", "").split(",")):
         module, _, name = spec.strip().partition(":")
@@ -61,8 +69,15 @@ def load_hooks_from_env() -> None:
 
 def reset_state(baseline: Baseline, seed: int) -> None:
     if baseline.environ_changed():
+        # Variables a library sets on itself while being imported by a task must survive,
+        # or the library breaks in the next task; CPQ_KEEP_ENV names them (TE's by default).
+        kept = {k: os.environ[k] for k in _kept_env_names() if k in os.environ}
         os.environ.clear()
         os.environ.update(baseline.environ)
+        os.environ.update(kept)
+        baseline.environ.update(kept)
+        if hasattr(baseline, "_data"):
+            del baseline._data
     if os.getcwd() != baseline.cwd:
         os.chdir(baseline.cwd)
     sys.stdout, sys.stderr = baseline.stdout, baseline.stderr

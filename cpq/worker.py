@@ -190,6 +190,24 @@ def init_process_group(config: WorkerConfig) -> None:
         raise RuntimeError(f"startup all_reduce gave {probe.item()}, expected {config.world_size}")
 
 
+def preload_modules() -> None:
+    """Import ``CPQ_PRELOAD`` modules (comma separated) before the state baseline is taken.
+
+    Heavy imports (``transformer_engine.pytorch`` costs 5-9 s) then happen at group start,
+    not in the first test, and whatever they put in ``os.environ`` at import time (TE sets
+    ``NVTE_CUDA_INCLUDE_DIR``) becomes part of the baseline instead of being reset away.
+    A failing preload is logged, not fatal: the tasks that need the module will report it.
+    """
+    for name in filter(None, (m.strip() for m in os.environ.get("CPQ_PRELOAD", "").split(","))):
+        started = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception:
+            log.exception("preloading %s failed", name)
+        else:
+            log.info("preloaded %s in %.2fs", name, time.monotonic() - started)
+
+
 def resolve_target(target: str) -> Any:
     module_name, sep, attr_path = target.partition(":")
     if not sep or not module_name or not attr_path:
@@ -334,6 +352,7 @@ def main() -> None:
         if root not in sys.path:
             sys.path.insert(0, root)
     init_process_group(config)
+    preload_modules()
     load_hooks_from_env()
     ready = protocol.RankReady(rank=config.rank, startup_s=time.monotonic() - started)
     results.send(protocol.encode(ready))
