@@ -44,6 +44,22 @@ def default_roots() -> list[str]:
     return list(dict.fromkeys(roots))
 
 
+def interpreter() -> str:
+    """``sys.executable``, named canonically within its own bin directory.
+
+    ``python``, ``python3`` and ``python3.11`` of one environment are symlinks to one binary
+    and must share warm groups (a console script runs under one name, ``python -m pytest``
+    under another); a venv's interpreter lives in another directory and stays distinct.
+    """
+    exe = sys.executable
+    real = os.path.realpath(exe)
+    for name in ("python3", "python"):
+        candidate = os.path.join(os.path.dirname(exe), name)
+        if os.path.exists(candidate) and os.path.realpath(candidate) == real:
+            return candidate
+    return exe
+
+
 def make_spec(
     world_size: int,
     env: dict[str, str] | None = None,
@@ -60,7 +76,7 @@ def make_spec(
     try:
         return PoolSpec(
             world_size=world_size,
-            python=python or sys.executable,
+            python=python or interpreter(),
             roots=list(roots) if roots is not None else default_roots(),
             env=[[k, env[k]] for k in sorted(env)],
             backend=backend,
@@ -274,6 +290,7 @@ class Client:
         poller.register(dealer, zmq.POLLIN)
         poller.register(pipe, zmq.POLLIN)
         heartbeat = protocol.encode(protocol.Heartbeat())
+        goodbye = protocol.encode(protocol.Goodbye())
         last_heard = last_sent = time.monotonic()
         silence_limit = self.heartbeat_s * self.liveness
         try:
@@ -282,7 +299,10 @@ class Client:
                 now = time.monotonic()
                 if pipe in events:
                     while pipe.poll(0):
-                        dealer.send(pipe.recv())
+                        frame = pipe.recv()
+                        dealer.send(frame)
+                        if frame == goodbye:  # close() sent it last: stop now, not a poll later
+                            return
                     last_sent = now
                 if dealer in events:
                     last_heard = now

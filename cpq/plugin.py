@@ -148,28 +148,34 @@ class CpqSession:
         return self._client
 
     def roots(self) -> list[str]:
-        """Import roots: rootdir, the user's sys.path entries (not the stdlib or
-        site-packages), and PYTHONPATH. Computed once so warm-up and tasks agree."""
+        """The spec's import roots: rootdir and PYTHONPATH, as ``cpq submit`` run from the
+        rootdir would send, so the shell and the test suite share warm groups."""
         if self._roots is None:
-            skip = {
-                sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")
-            }
             roots = [str(self.config.rootpath)]
-            for entry in sys.path:
-                path = os.path.abspath(entry or os.getcwd())
-                if (
-                    os.path.isdir(path)
-                    and path not in skip
-                    and "site-packages" not in path
-                    and "dist-packages" not in path
-                    and not path.startswith(sys.base_prefix + os.sep + "lib")
-                ):
-                    roots.append(path)
             roots += [
                 os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
             ]
             self._roots = list(dict.fromkeys(roots))
         return self._roots
+
+    @staticmethod
+    def import_paths() -> list[str]:
+        """The user's own sys.path entries (what pytest's import mode inserted for conftest
+        and test directories; not the stdlib or site-packages). They travel with each test
+        and are added to the rank's sys.path the way pytest adds them to its own."""
+        skip = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        paths_ = []
+        for entry in sys.path:
+            path = os.path.abspath(entry or os.getcwd())
+            if (
+                path not in skip
+                and "site-packages" not in path
+                and "dist-packages" not in path
+                and not path.startswith(sys.base_prefix + os.sep + "lib")
+                and os.path.isdir(path)
+            ):
+                paths_.append(path)
+        return list(dict.fromkeys(paths_))
 
     def spec(self, world_size: int, env: dict[str, str] | None) -> PoolSpec:
         from cpq.client import make_spec
@@ -371,6 +377,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "module": function.__module__,
         "name": function.__qualname__,
         "args": args,
+        "import_paths": session.import_paths(),
     }
     target = "cpq.pytest_task:run_test"
     result = session.submit(target, world_size, kwargs, timeout, env, pyfuncitem.nodeid)

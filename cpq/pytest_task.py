@@ -36,17 +36,25 @@ def _load(path: str, module_name: str) -> types.ModuleType:
     code = compile(tree, path, "exec", dont_inherit=True)
     module = types.ModuleType(module_name)
     module.__file__ = path
-    directory = os.path.dirname(path)
-    if directory not in sys.path:
-        sys.path.insert(0, directory)  # what pytest's default "prepend" import mode does
+    module.__package__ = module_name.rpartition(".")[0]  # relative imports in test packages
     sys.modules[module_name] = module
     exec(code, module.__dict__)
     _cache[path] = (stamp, module)
     return module
 
 
-def run_test(path: str, module: str, name: str, args: dict[str, Any]) -> Any:
-    """Call test ``name`` (``func`` or ``Class.method``) of the file at ``path``."""
+def run_test(
+    path: str, module: str, name: str, args: dict[str, Any], import_paths: list[str] | None = None
+) -> Any:
+    """Call test ``name`` (``func`` or ``Class.method``) of the file at ``path``.
+
+    ``import_paths`` are the pytest process's own sys.path entries (rootdir, conftest and
+    test directories); they are added here as pytest added them there, so a test's
+    ``import helpers`` resolves on the ranks as it does locally.
+    """
+    for entry in reversed(import_paths or []):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
     obj: Any = _load(path, module)
     parts = name.split(".")
     for index, part in enumerate(parts):

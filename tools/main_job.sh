@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The README's main job: a broker with warm groups serving a real distributed suite.
+# nccl on the GPUs the broker sees; gloo on the CPU when there are none.
+#   1. start cpq-broker (its own state dir, so it never meets another user's broker)
+#   2. `cpq submit` the collective checks to a warm ws=2 group
+#   3. run the context-parallel attention suite (27 marker tests) on the same warm group
+#   4. show cpq-status, then stop the broker
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CPQ_STATE_DIR=${CPQ_STATE_DIR:-$(mktemp -d /tmp/cpq-main-XXXXXX)}
+chmod 700 "$CPQ_STATE_DIR"
+export CPQ_ENDPOINT="ipc://$CPQ_STATE_DIR/broker.sock"
+
+cpq-broker --idle-exit 300 >"$CPQ_STATE_DIR/broker.out" 2>&1 &
+broker=$!
+trap 'cpq stop >/dev/null 2>&1 || kill $broker 2>/dev/null || true' EXIT
+
+echo "== cpq submit --world-size 2 workers.collectives:all_checks"
+cpq submit --no-autostart --world-size 2 workers.collectives:all_checks
+echo
+echo "== pytest tests/test_cp_attention.py (on the same warm group)"
+python -m pytest -q -p no:cacheprovider tests/test_cp_attention.py
+echo
+echo "== cpq-status"
+cpq-status
