@@ -74,6 +74,12 @@ def test_local_fixture_refused(tmp_path):
 def test_fixture_style(cpq):
     result = cpq.run("workers.collectives:all_reduce_check", world_size=2, numel=4)
     assert result.value["sum"] == 3.0
+
+
+@pytest.mark.cpq(world_size=2)  # with the fixture, the marker only declares (and warms) the pool
+def test_fixture_style_with_declared_pool(cpq):
+    result = cpq.run("workers.collectives:rank_info")
+    assert result.value["world_size"] == 2
 """
 
 
@@ -88,7 +94,7 @@ def suite_env(broker: str, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_marker_suite_reads_like_local_pytest(pytester: pytest.Pytester, suite_env: str) -> None:
     pytester.makepyfile(test_suite=SUITE)
     result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=8, failed=3, skipped=2)
+    result.assert_outcomes(passed=9, failed=3, skipped=2)
     out = result.stdout.str()
     # The failing rank's own traceback is the long repr, with pytest's assertion explanation.
     assert "failed on rank(s) [1]" in out
@@ -104,7 +110,7 @@ def test_marker_suite_reads_like_local_pytest(pytester: pytest.Pytester, suite_e
     # Eleven tasks reached the ranks (skipif and the refused ones did not), all on one group.
     match = re.search(r"cpq: (\d+) task\(s\) on (\d+) group\(s\)", out)
     assert match is not None, out
-    assert match.groups() == ("10", "1")
+    assert match.groups() == ("11", "1")
 
 
 FLAKY_INFRA = """

@@ -35,12 +35,14 @@ TASK = "workers.te_attention:run_dpa_with_cp"
 TE_GROUP = {"CPQ_PRELOAD": "transformer_engine.pytorch"}
 
 
+@pytest.mark.cpq(world_size=2, env=TE_GROUP)  # declares the pool: warmed during collection
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_te_cp(cpq: Any, case: dict[str, Any]) -> None:
-    cpq.run(TASK, world_size=2, env=TE_GROUP, **case)
+    cpq.run(TASK, **case)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="a2a+p2p cases need 4 GPUs")
+@pytest.mark.cpq(world_size=4, env=TE_GROUP)
 @pytest.mark.parametrize("case", CASES_WS4, ids=[case_id(c) for c in CASES_WS4])
 def test_te_cp_ws4(cpq: Any, case: dict[str, Any]) -> None:
-    cpq.run(TASK, world_size=4, env=TE_GROUP, **case)
+    cpq.run(TASK, **case)

@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 _T_MAIN = time.time()  # epoch seconds at the top of this script (after interpreter start)
+# Epoch stamps of this rank's milestones; consecutive differences cover the whole process, so
+# a caller that knows when it launched torchrun and when torchrun exited can split the wall.
+_STAMPS: dict[str, float] = {"script_start": _T_MAIN}
 REPO = Path(__file__).resolve().parents[2]
 
 # Representative cases first (format x comm x mask x dtype x GQA), so a time budget that
@@ -115,19 +118,23 @@ def main() -> int:
     import torch.distributed as dist
 
     marks["import_torch_s"] = time.perf_counter() - t
+    _STAMPS["torch_imported"] = time.time()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
+    _STAMPS["cuda_device_set"] = time.time()
 
     t = time.perf_counter()
     import transformer_engine.pytorch  # noqa: F401
 
     marks["import_te_s"] = time.perf_counter() - t
+    _STAMPS["te_imported"] = time.time()
 
     t = time.perf_counter()
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     dist.barrier(device_ids=[local_rank])  # NCCL communicators are created lazily: force it
     torch.cuda.synchronize()
     marks["init_process_group_s"] = time.perf_counter() - t
+    _STAMPS["process_group_ready"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
 
     sys.path.insert(0, str(REPO))
@@ -135,6 +142,7 @@ def main() -> int:
 
     cases = _pick(w.CASES, args.cases, w.case_id)
     fingerprint_before = w.state_fingerprint()
+    _STAMPS["cases_start"] = time.time()
     t_cases = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in cases:
@@ -153,15 +161,21 @@ def main() -> int:
     if args.repeat_first and cases:
         repeat = _run_one(w.run_dpa_with_cp, cases[0])
         repeat["case"] = w.case_id(cases[0])
+    _STAMPS["cases_end"] = time.time()
     fingerprint_after = w.state_fingerprint()
 
     all_marks: list[Any] = [None] * world
     dist.all_gather_object(all_marks, marks)
+    all_stamps: list[Any] = [None] * world
+    dist.all_gather_object(all_stamps, _STAMPS)
     marks["script_start_after_t0_s"] = (
         _T_MAIN - float(os.environ["TE_STANDALONE_T0"]) if "TE_STANDALONE_T0" in os.environ else -1
     )
     if rank == 0:
-        _report(all_marks, marks, rows, repeat, fingerprint_before, fingerprint_after, args.json)
+        extra = {"stamps": all_stamps, "t0": float(os.environ.get("TE_STANDALONE_T0") or -1)}
+        _report(
+            all_marks, marks, rows, repeat, fingerprint_before, fingerprint_after, args.json, extra
+        )
     dist.barrier(device_ids=[local_rank])
     dist.destroy_process_group()
     failed = any(r["outcome"] == "failed" for r in rows)
@@ -176,8 +190,13 @@ def _report(
     before: dict[str, Any],
     after: dict[str, Any],
     json_path: str,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Print the per-case table and the start-up breakdown; optionally write JSON."""
+    """Print the per-case table and the start-up breakdown; optionally write JSON.
+
+    ``extra`` goes into the JSON as is: per-rank epoch ``stamps`` and the launch time ``t0``,
+    which ``tools/bench_te.py`` uses to split one torchrun's wall into its parts.
+    """
     print("\n=== start-up (per rank, seconds) ===")
     for r, m in enumerate(all_marks):
         print(f"rank {r}: " + ", ".join(f"{k}={v:.2f}" for k, v in m.items()))
@@ -217,6 +236,7 @@ def _report(
                     "repeat": repeat,
                     "fingerprint_before": before,
                     "fingerprint_after": after,
+                    **(extra or {}),
                 },
                 indent=1,
                 default=str,
