@@ -17,6 +17,7 @@ Configuration, strongest first: command-line option, ``CPQ_*`` variable, ini opt
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -132,6 +133,24 @@ class CpqSession:
         self.started_broker = False
         self.warmed: dict[PoolSpec, int] = {}
 
+    def status_if_connected(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """The broker's status for reports, without starting (or waiting long for) a broker.
+
+        The xdist controller never submits, so it has no client: it connects only when a
+        broker is known to run, and never autostarts one just to print a summary.
+        """
+        from cpq.autostart import broker_alive
+
+        if self._client is None:
+            endpoint = self.resolved_endpoint()
+            if endpoint.startswith("ipc://") and not broker_alive(endpoint):
+                return None
+            from cpq.client import Client
+
+            self._client = Client(endpoint, name="pytest", connect_timeout_s=timeout_s)
+        status: dict[str, Any] = self._client.status(timeout_s=timeout_s)
+        return status
+
     def resolved_endpoint(self) -> str:
         return self.endpoint or paths.default_endpoint()
 
@@ -163,7 +182,7 @@ class CpqSession:
         """The user's own sys.path entries (what pytest's import mode inserted for conftest
         and test directories; not the stdlib or site-packages). They travel with each test
         and are added to the rank's sys.path the way pytest adds them to its own."""
-        skip = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        skip = _library_paths()
         paths_ = []
         for entry in sys.path:
             path = os.path.abspath(entry or os.getcwd())
@@ -176,6 +195,17 @@ class CpqSession:
             ):
                 paths_.append(path)
         return list(dict.fromkeys(paths_))
+
+    def warm(self, specs: list[PoolSpec], counts: list[int]) -> None:
+        try:
+            self.client.warm(specs, counts)
+        except Exception as exc:  # warm-up is an optimisation; the tests will report problems
+            self.config.issue_config_time_warning(
+                pytest.PytestWarning(f"cpq: could not warm groups: {exc}"), stacklevel=2
+            )
+            return
+        for spec, count in zip(specs, counts, strict=True):
+            self.warmed[spec] = max(count, self.warmed.get(spec, 0))
 
     def spec(self, world_size: int, env: dict[str, str] | None) -> PoolSpec:
         from cpq.client import make_spec
@@ -209,7 +239,51 @@ class CpqSession:
             self._client = None
 
 
+@functools.cache
+def _library_paths() -> frozenset[str]:
+    found = sysconfig.get_paths()
+    return frozenset(found[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+
+
 # --------------------------------------------------------------------------- warm-up
+
+WARM_CACHE_KEY = "cpq/warm-specs"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Warm what the previous session of this project needed, before collection even starts.
+
+    Collecting a suite that imports torch takes seconds; starting the groups the last run
+    needed (remembered in pytest's cache) overlaps the spawn with that. The warm-up after
+    collection then corrects for what this run actually selected.
+    """
+    cache = getattr(session.config, "cache", None)
+    cpq_session = session.config.stash[SESSION_KEY]
+    if cache is None or (not cpq_session.autostart and not _broker_running(cpq_session)):
+        return
+    recorded = cache.get(WARM_CACHE_KEY, None)
+    if not isinstance(recorded, list) or not recorded:
+        return
+    specs: list[PoolSpec] = []
+    counts: list[int] = []
+    for entry in recorded:
+        try:
+            spec = protocol.from_wire(PoolSpec, entry["spec"])
+            count = int(entry["count"])
+        except (protocol.ProtocolError, KeyError, TypeError, ValueError):
+            return  # a cache from another cpq version: ignore it
+        if spec.roots == cpq_session.roots() and spec.python == cpq_session.spec(1, None).python:
+            specs.append(spec)
+            counts.append(count)
+    if specs:
+        cpq_session.warm(specs, counts)
+
+
+def _broker_running(cpq_session: CpqSession) -> bool:
+    from cpq.autostart import broker_alive
+
+    endpoint = cpq_session.resolved_endpoint()
+    return not endpoint.startswith("ipc://") or broker_alive(endpoint)
 
 
 def _marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] | None] | None:
@@ -241,14 +315,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     specs = list(needed)
     counts = [min(needed[s], workers) for s in specs]
-    try:
-        cpq_session.client.warm(specs, counts)
-    except Exception as exc:  # warm-up is an optimisation; the tests will report the problem
-        session.config.issue_config_time_warning(
-            pytest.PytestWarning(f"cpq: could not warm groups: {exc}"), stacklevel=2
+    cache = getattr(session.config, "cache", None)
+    if cache is not None:
+        cache.set(
+            WARM_CACHE_KEY,
+            [{"spec": protocol.to_wire(s), "count": c} for s, c in zip(specs, counts, strict=True)],
         )
-        return
-    cpq_session.warmed = dict(zip(specs, counts, strict=True))
+    cpq_session.warm(specs, counts)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -263,12 +336,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         how = "starts when a cpq test runs" if session.autostart else "autostart is off"
         return [f"cpq: no broker at {endpoint} ({how})"]
     try:
-        status = session.client.status()
+        status = session.status_if_connected()
     except Exception as exc:
         return [f"cpq: broker at {endpoint} not answering: {exc}"]
+    if status is None:
+        return [f"cpq: no broker at {endpoint}"]
     broker = status["broker"]
     groups = Counter(f"{p['spec']}[{p['state']}]" for p in status["pools"])
-    listing = ", ".join(f"{k}×{v}" for k, v in sorted(groups.items())) or "none yet"
+    listing = ", ".join(f"{k}x{v}" for k, v in sorted(groups.items())) or "none yet"
     return [
         f"cpq: broker {endpoint} pid {broker['pid']} GPUs {','.join(broker['gpus']) or 'none'}; "
         f"groups: {listing}"
@@ -292,7 +367,8 @@ class CpqTaskFailed(Exception):
         if result.outcome == "error":
             head = f"cpq infra error running {self.target}: {result.message}"
         else:
-            head = f"cpq: {self.target} failed on rank(s) {[r.rank for r in ranks]} (group {result.group_id})"
+            failing = [r.rank for r in ranks]
+            head = f"cpq: {self.target} failed on rank(s) {failing} (group {result.group_id})"
             if result.message:
                 head += f"\n{result.message}"
         first = next((r for r in ranks if r.error is not None), None)
@@ -466,7 +542,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     retries = f"{stats.retries} retr{'y' if stats.retries == 1 else 'ies'}"
     line = f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {retries}"
     try:
-        totals = session.client.status()["totals"]
+        status = session.status_if_connected()
+        totals = status["totals"] if status else {"groups_started": 0}
         if totals["groups_started"]:
             spawn = totals["group_start_s"] / totals["groups_started"]
             saved = max(0, stats.tasks - len(stats.groups)) * spawn

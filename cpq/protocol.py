@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import msgpack
@@ -285,14 +285,30 @@ class RankReady(Message):
     KIND: ClassVar[str] = "rank_ready"
     rank: int
     startup_s: float = 0.0
+    #: Resident memory once ready: the baseline ``--max-rss-growth`` measures growth from.
+    #: Optional (defaults to 0) so a rank of an older cpq 0.1 still decodes.
+    rss_mb: float = 0.0
 
 
 @dataclass
 class RankDone(Message):
+    """One rank's report on one task, with the rank's memory right after it.
+
+    The memory fields ride on this message (not on heartbeats) because memory only changes
+    meaningfully across tasks; they feed ``cpq-status`` and recycling. The CUDA fields are
+    ``torch.cuda.memory_allocated()``/``memory_reserved()`` (0 without CUDA) and default to 0
+    so a rank of an older cpq 0.1 still decodes.
+    """
+
     KIND: ClassVar[str] = "rank_done"
     task_id: str
     result: RankResult
     rss_mb: float = 0.0
+    cuda_mb: float = 0.0
+    cuda_reserved_mb: float = 0.0
+    #: Non-empty: why this rank cannot serve another task (say, a task left it without free
+    #: file descriptors); the broker recycles the group after this task. Optional, like above.
+    unfit: str = ""
 
 
 @dataclass
@@ -374,6 +390,16 @@ def _nested_record(hint: Any) -> str:
         if get_origin(option) is list and dataclasses.is_dataclass(get_args(option)[0]):
             return "list"
     return ""
+
+
+def to_wire(record: Any) -> Any:
+    """A record (dataclass) as plain msgpack-able data."""
+    return _to_wire(record)
+
+
+def from_wire(cls: type[_T], data: Any) -> _T:
+    """Check ``data`` against record type ``cls`` and build it (ProtocolError if off)."""
+    return _from_wire(cls, data, cls.__name__)
 
 
 def pack(value: Any) -> bytes:
@@ -535,6 +561,9 @@ def _record_checker(cls: type) -> Check:
         missing = required - values.keys()
         if missing:
             raise ProtocolError(f"{where}: missing field(s) {sorted(missing)}")
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:  # the record refused its values (PoolSpec.__post_init__)
+            raise ProtocolError(f"{where}: {exc}") from None
 
     return check_record
