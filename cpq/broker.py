@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import zmq
 
-from cpq import __version__, protocol, security
+from cpq import __version__, protocol, security, timings
 from cpq.protocol import PoolSpec, RankError, RankResult, TaskResult
 from cpq.scheduler import Queues, Resources
 from cpq.supervisor import GroupProcess
@@ -64,6 +64,17 @@ class BrokerConfig:
     default_timeout_s: float = 90.0
     insecure: bool = False
     scale_up_after_s: float = 1.0
+    #: Finished tasks are appended here, one JSON line each (None: keep no history).
+    timings_file: Path | None = None
+    timings_max_bytes: int = timings.DEFAULT_MAX_BYTES
+    #: Learned deadlines: max(floor, k x the slowest passing run) for tasks with history.
+    adaptive_timeout: bool = False
+    adaptive_k: float = 3.0
+    adaptive_floor_s: float = 30.0
+    #: Recycle a group after a task once a rank's RSS grew this much since ready (0: never).
+    max_rss_growth_mb: float = 0.0
+    #: Groups to start at start-up, as (spec, count) (``--warm``).
+    warm: list[tuple[PoolSpec, int]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- state
@@ -77,6 +88,10 @@ class Client:
     connected_at: float = field(default_factory=time.time)
     in_flight: set[str] = field(default_factory=set)
     submitted: int = 0
+    #: Said hello. Only greeted clients get heartbeats: a client the broker dropped (silent
+    #: too long) or never knew (it outlived a broker restart) hears nothing, so it reports
+    #: BrokerUnavailable instead of waiting forever for tasks this broker does not have.
+    greeted: bool = False
 
 
 @dataclass
@@ -99,6 +114,11 @@ class Task:
     stacks: dict[int, str] = field(default_factory=dict)
     orphaned: bool = False
     first_queued_at: float = 0.0
+    # The deadline the client asked for; with --adaptive-timeout, ``timeout_s`` may be a
+    # learned one instead, and ``deadline_note`` says how it was learned.
+    requested_timeout_s: float = 0.0
+    deadline_note: str = ""
+    last_group_id: str = ""  # survives a retry's reset of ``group``, for the timing history
 
     @property
     def key(self) -> str:
@@ -130,6 +150,10 @@ class Group:
     last_used: float = field(default_factory=time.monotonic)
     rss_mb: dict[int, float] = field(default_factory=dict)
     stop_reason: str = ""
+    rss_ready_mb: dict[int, float] = field(default_factory=dict)  # baseline for growth
+    cuda_mb: dict[int, float] = field(default_factory=dict)
+    cuda_reserved_mb: dict[int, float] = field(default_factory=dict)
+    unfit: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot go on
 
 
 @dataclass
@@ -145,6 +169,8 @@ class Totals:
     groups_failed: int = 0
     group_start_s: float = 0.0
     malformed: int = 0
+    groups_recycled: int = 0
+    timings_write_errors: int = 0
 
 
 # --------------------------------------------------------------------------- broker
@@ -169,6 +195,16 @@ class Broker:
         self._last_heartbeat = 0.0
         self._group_seq = 0
         self._lock_file: IO[str] | None = None
+        self.timings = timings.TimingsLog(config.timings_file, config.timings_max_bytes)
+        self.history = timings.History()
+        if config.adaptive_timeout and config.timings_file is not None:
+            loaded = self.history.load(timings.read(config.timings_file))
+            log.info(
+                "learned deadlines from %d finished tasks (%d tests) in %s",
+                loaded,
+                len(self.history.slowest),
+                config.timings_file,
+            )
         self.backend_endpoint = f"ipc://{config.state_dir / f'backend-{os.getpid()}.sock'}"
 
     # ---- sockets
@@ -189,6 +225,7 @@ class Broker:
         self._lock_file.truncate()
         self._lock_file.write(f"{os.getpid()}\n")
         self._lock_file.flush()
+        self._remove_stale_backend_sockets()
         self.context: zmq.Context[Any] = zmq.Context()
         self.frontend = self._router(self.config.endpoint, public=True)
         self.backend = self._router(self.backend_endpoint)
@@ -200,6 +237,21 @@ class Broker:
             ",".join(self.config.gpus) or "none",
             self.config.max_ranks,
         )
+
+    def _remove_stale_backend_sockets(self) -> None:
+        """Remove ``backend-<pid>.sock`` files of brokers that died without cleaning up."""
+        for path in self.config.state_dir.glob("backend-*.sock"):
+            pid = path.name[len("backend-") : -len(".sock")]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:  # that broker is gone (SIGKILL leaves its socket)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    log.info("removed the stale backend socket %s", path)
+            except PermissionError:
+                pass  # alive, someone else's process
 
     def _router(self, endpoint: str, public: bool = False) -> zmq.Socket[Any]:
         sock = self.context.socket(zmq.ROUTER)
@@ -307,6 +359,7 @@ class Broker:
 
     def client_hello(self, client: Client, message: protocol.Hello) -> None:
         client.info = message.client
+        client.greeted = True
         self._send_client(client.identity, protocol.Welcome(self.describe()))
 
     def client_hb(self, client: Client, message: protocol.Heartbeat) -> None:
@@ -331,11 +384,15 @@ class Broker:
         client.submitted += 1
         spec = message.spec
         reason = self._reject_reason(message)
+        requested = message.timeout or self.config.default_timeout_s
+        timeout_s, deadline_note = self._deadline_for(message, requested)
         task = Task(
             client=client.identity,
             submit=message,
             spec=spec,
-            timeout_s=message.timeout or self.config.default_timeout_s,
+            timeout_s=timeout_s,
+            requested_timeout_s=requested,
+            deadline_note=deadline_note,
         )
         task.first_queued_at = task.queued_at
         if task.key in self.tasks:
@@ -349,6 +406,21 @@ class Broker:
         client.in_flight.add(task.key)
         self.queues.push(task)
         self._schedule()
+
+    def _deadline_for(self, message: protocol.Submit, requested: float) -> tuple[float, str]:
+        """The task's deadline: learned from history with --adaptive-timeout, else requested.
+
+        A learned deadline catches a hang after a few times the test's known worst case
+        instead of after the suite-wide default, which is sized for the slowest test.
+        """
+        if not self.config.adaptive_timeout:
+            return requested, ""
+        return self.history.deadline(
+            timings.history_key(message.test_id, message.target),
+            requested,
+            self.config.adaptive_k,
+            self.config.adaptive_floor_s,
+        )
 
     def _reject_reason(self, message: protocol.Submit) -> str:
         if self.draining:
@@ -377,6 +449,8 @@ class Broker:
             task.orphaned = True  # let it finish; the result goes nowhere
 
     def client_warm(self, client: Client, message: protocol.Warm) -> None:
+        if self.draining:
+            return  # a draining broker is on its way out: no new groups for future tasks
         for index, spec in enumerate(message.specs):
             if self.resources.impossible(spec):
                 continue
@@ -384,6 +458,24 @@ class Broker:
             have = sum(1 for g in self.groups.values() if g.spec == spec and g.state != "stopping")
             for _ in range(max(0, wanted - have)):
                 if self._start_group(spec) is None:
+                    break
+
+    def warm_up(self) -> None:
+        """Start the ``--warm`` groups now, so the first clients find them ready.
+
+        They only serve clients whose spec is equal, roots and interpreter included (see
+        ``cpq-broker --help`` on ``--warm-root``); a mismatch leaves them idle, never wrong.
+        """
+        for spec, count in self.config.warm:
+            impossible = self.resources.impossible(spec)
+            if impossible:
+                log.warning("--warm %s: %s", spec.label(), impossible)
+                continue
+            for started in range(count):
+                if self._start_group(spec) is None:
+                    log.warning(
+                        "--warm %s: room for %d of %d groups only", spec.label(), started, count
+                    )
                     break
 
     # ---- backend
@@ -426,6 +518,8 @@ class Broker:
 
     def rank_ready(self, group: Group, rank: Rank, message: protocol.RankReady) -> None:
         rank.ready = True
+        group.rss_ready_mb[rank.rank] = message.rss_mb
+        group.rss_mb.setdefault(rank.rank, message.rss_mb)  # shown until its first task
         if (
             group.state == "starting"
             and len(group.ranks) == group.spec.world_size
@@ -443,6 +537,10 @@ class Broker:
 
     def rank_done(self, group: Group, rank: Rank, message: protocol.RankDone) -> None:
         group.rss_mb[rank.rank] = message.rss_mb
+        group.cuda_mb[rank.rank] = message.cuda_mb
+        group.cuda_reserved_mb[rank.rank] = message.cuda_reserved_mb
+        if message.unfit:
+            group.unfit[rank.rank] = message.unfit
         task = group.task
         if task is None or task.submit.task_id != message.task_id or group.state != "busy":
             return  # a late report for a task already decided
@@ -565,6 +663,7 @@ class Broker:
         group.state = "busy"
         group.task = task
         task.group = group
+        task.last_group_id = group.id
         task.started_at = now
         task.deadline = now + task.timeout_s
         task.results.clear()
@@ -604,8 +703,8 @@ class Broker:
             )
         else:
             outcome = "passed"
+        self._finish(task, outcome, message=message, ranks=results)  # the verdict goes first
         self._release_group(group)
-        self._finish(task, outcome, message=message, ranks=results)
 
     def _stack_ranks(self, task: Task) -> set[int]:
         assert task.group is not None
@@ -630,8 +729,15 @@ class Broker:
             for r in sorted(self._stack_ranks(task))
         )
         if task.stacks_reason == "deadline":
-            reason = f"deadline of {task.timeout_s:g}s passed"
+            learned = f" ({task.deadline_note})" if task.deadline_note else ""
+            reason = f"deadline of {timings.fmt_seconds(task.timeout_s)}s{learned} passed"
             self._stop_group(group, reason)
+            if task.deadline_note:
+                # A learned deadline is an estimate and this run outgrew it: the retry gets
+                # the deadline the client asked for (when longer), so a test that is slow
+                # today but alive is not killed twice by a guess.
+                task.timeout_s = max(task.timeout_s, task.requested_timeout_s)
+                task.deadline_note = ""
             self._infra_error(task, f"{reason}; where each rank was:\n{stacks}")
             return
         failed = sorted(r for r, res in task.results.items() if res.outcome == "failed")
@@ -651,7 +757,7 @@ class Broker:
         self._finish(
             task,
             "failed",
-            message=f"rank(s) {failed} failed; rank(s) {stuck} were stuck and the group was recycled",
+            message=f"rank(s) {failed} failed; rank(s) {stuck} were stuck; the group was recycled",
             ranks=[task.results[r] for r in sorted(task.results)],
         )
 
@@ -709,6 +815,8 @@ class Broker:
             queue_s=(task.started_at or now) - task.first_queued_at,
             deadline_s=task.timeout_s,
         )
+        if task.started_at or task.attempts > 1:  # it ran, or tried to (not: rejected, cancelled)
+            self._record(task, result)
         if not task.orphaned and client is not None:
             try:
                 self._send_client(task.client, protocol.Done(result))
@@ -717,18 +825,62 @@ class Broker:
                 result.outcome, result.message = "error", f"result could not be encoded: {exc}"
                 self._send_client(task.client, protocol.Done(result))
 
+    def _record(self, task: Task, result: TaskResult) -> None:
+        """Append the task to the timing history and learn from it; never raises."""
+        timing = timings.TaskTiming(
+            finished_at=time.time(),
+            target=task.submit.target,
+            test_id=task.submit.test_id,
+            spec=task.spec.label(),
+            world_size=task.spec.world_size,
+            outcome=result.outcome,
+            duration_s=result.duration_s,
+            queue_s=result.queue_s,
+            attempts=task.attempts,
+            retries=task.attempts - 1,
+            group_id=task.last_group_id,
+            deadline_s=task.timeout_s,
+        )
+        self.history.add(timing)
+        self.timings.append(timing)
+        self.totals.timings_write_errors = self.timings.errors
+
     # ---- groups
 
     def _release_group(self, group: Group) -> None:
-        """A group finished its task cleanly: back to idle, or recycle it if it has served enough."""
+        """A group finished its task cleanly: back to idle, or recycled (see below)."""
         group.task = None
         group.tasks_done += 1
         group.last_used = time.monotonic()
         group.state = "idle"
+        reason = self._recycle_reason(group)
+        if reason:
+            self.totals.groups_recycled += 1
+            self._stop_group(group, reason)
+        self._schedule()
+
+    def _recycle_reason(self, group: Group) -> str:
+        """Why a group that just finished a task cleanly must not serve another ("": it may).
+
+        Long-lived ranks accumulate what tests leave behind (caches, leaked tensors,
+        fragmented allocators); a fresh group after N tasks or after a memory bound keeps
+        that from turning into out-of-memory failures in unrelated later tests.
+        """
         limit = self.config.max_tasks_per_group
         if limit and group.tasks_done >= limit:
-            self._stop_group(group, f"recycled after {group.tasks_done} tasks")
-        self._schedule()
+            return f"recycled after {group.tasks_done} tasks"
+        for rank_no, why in sorted(group.unfit.items()):
+            return f"recycled: rank {rank_no} {why}"
+        bound = self.config.max_rss_growth_mb
+        if bound:
+            for rank_no, rss in sorted(group.rss_mb.items()):
+                base = group.rss_ready_mb.get(rank_no, 0.0)
+                if base > 0 and rss - base > bound:  # 0: a rank that reported no baseline
+                    return (
+                        f"recycled: rank {rank_no} RSS grew {rss - base:.0f} MB since ready "
+                        f"(--max-rss-growth {bound:g})"
+                    )
+        return ""
 
     def _stop_group(self, group: Group, reason: str) -> None:
         if group.state == "stopping":
@@ -830,9 +982,10 @@ class Broker:
             self._collect_stacks(task, "peer_failed")
 
     def _send_heartbeats(self) -> None:
-        for identity in list(self.clients):
-            self._send_client(identity, self._heartbeat)
-        for identity, (group, rank) in list(self.ranks.items()):
+        for identity, client in list(self.clients.items()):
+            if client.greeted:
+                self._send_client(identity, self._heartbeat)
+        for _, rank in list(self.ranks.values()):
             self._send_rank(rank, self._heartbeat)
 
     def _drop_client(self, client: Client, why: str) -> None:
@@ -903,6 +1056,14 @@ class Broker:
             "liveness": self.config.liveness,
             "log_dir": str(self.config.log_dir),
             "draining": self.draining,
+            "default_timeout_s": self.config.default_timeout_s,
+            "max_tasks_per_group": self.config.max_tasks_per_group,
+            "max_rss_growth_mb": self.config.max_rss_growth_mb,
+            "timings_file": str(self.config.timings_file or ""),
+            "adaptive_timeout": self.config.adaptive_timeout,
+            "adaptive_k": self.config.adaptive_k,
+            "adaptive_floor_s": self.config.adaptive_floor_s,
+            "history_tests": len(self.history.slowest),
         }
 
     def status(self) -> dict[str, Any]:
@@ -910,6 +1071,7 @@ class Broker:
         pools = []
         for group in self.groups.values():
             task = group.task
+            ws = group.spec.world_size
             pools.append(
                 {
                     "id": group.id,
@@ -935,8 +1097,20 @@ class Broker:
                         "test_id": task.submit.test_id,
                         "elapsed_s": now - task.started_at,
                         "deadline_s": task.timeout_s,
+                        "deadline_note": task.deadline_note,
+                        "attempt": task.attempts,
                     },
                     "stop_reason": group.stop_reason,
+                    "python": group.spec.python,
+                    "roots": group.spec.roots,
+                    "cuda_mb": [group.cuda_mb.get(r, 0.0) for r in range(ws)],
+                    "cuda_reserved_mb": [group.cuda_reserved_mb.get(r, 0.0) for r in range(ws)],
+                    "rss_growth_mb": [
+                        group.rss_mb[r] - group.rss_ready_mb[r]
+                        if group.rss_ready_mb.get(r) and r in group.rss_mb
+                        else 0.0
+                        for r in range(ws)
+                    ],
                 }
             )
         queue = [
@@ -997,6 +1171,7 @@ def detect_gpus(requested: str) -> list[str]:
 def run_broker(config: BrokerConfig) -> None:
     broker = Broker(config)
     broker.bind()
+    broker.warm_up()
 
     def _on_signal(signum: int, frame: Any) -> None:
         log.info("signal %d: stopping", signum)

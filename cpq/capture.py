@@ -42,7 +42,8 @@ class FdCapture:
         self.limit = limit
         self.stdout = ""
         self.stderr = ""
-        self._spools = [tempfile.TemporaryFile(prefix="cpq-capture-") for _ in (1, 2)]
+        # Kept open for the rank's lifetime (closed with the process), hence no context manager.
+        self._spools = [tempfile.TemporaryFile(prefix="cpq-capture-") for _ in (1, 2)]  # noqa: SIM115
         self._saved: list[tuple[int, int, IO[bytes]]] = []
 
     def __enter__(self) -> FdCapture:

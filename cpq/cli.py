@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from cpq import paths
+from cpq.logfile import LogFileHandler
+from cpq.protocol import PoolSpec
+from cpq.timings import TIMINGS_FILE
 
 EXIT_CODES = {"passed": 0, "failed": 1, "error": 2, "skipped": 3}
 EXIT_USAGE = 4
@@ -75,10 +79,72 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="start another group of a busy spec once a task has queued this long (s)",
     )
     parser.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=0.0,
+        metavar="MB",
+        help="recycle a group after a task once a rank's RSS grew more than MB since the "
+        "group became ready (0: never)",
+    )
+    parser.add_argument(
+        "--timings-file",
+        type=Path,
+        help="append every finished task here as a JSON line "
+        "(default: <state dir>/timings.jsonl; read it with cpq-status --timings)",
+    )
+    parser.add_argument(
+        "--adaptive-timeout",
+        action="store_true",
+        help="per-test deadlines learned from the timing history: "
+        "max(floor, k x the slowest passing run); tests without history keep their timeout",
+    )
+    parser.add_argument(
+        "--adaptive-k", type=float, default=3.0, help="learned deadline factor (default 3)"
+    )
+    parser.add_argument(
+        "--adaptive-floor",
+        type=float,
+        default=30.0,
+        help="shortest learned deadline in seconds (default 30)",
+    )
+    parser.add_argument(
+        "--warm",
+        action="append",
+        default=[],
+        metavar="SPEC=N",
+        help="start N groups of SPEC (ws2, ws2:gloo, ws4:nccl) at start-up; repeatable. They "
+        "serve clients whose spec matches exactly: same interpreter (this one) and same roots "
+        "(--warm-root)",
+    )
+    parser.add_argument(
+        "--warm-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="import root of the --warm groups, in order; repeatable (default: the working "
+        "directory and PYTHONPATH, which is what `cpq submit` run from here sends; the pytest "
+        "plugin sends the rootdir and the test's sys.path entries, see cpq-status --json roots)",
+    )
+    parser.add_argument(
         "--insecure", action="store_true", help="allow a tcp endpoint without keys (loopback only)"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
+
+
+_WARM_SPEC = re.compile(r"ws(?P<ws>[0-9]+)(?::(?P<backend>[a-z]+))?(?:=(?P<count>[0-9]+))?")
+
+
+def parse_warm(text: str, roots: list[str]) -> tuple[PoolSpec, int]:
+    """``--warm ws2:gloo=3`` -> (spec, 3). The spec uses this interpreter and ``roots``."""
+    from cpq.client import make_spec
+
+    match = _WARM_SPEC.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"--warm {text!r} is not SPEC=N (like ws2=1 or ws2:gloo=2)")
+    count = int(match["count"] or 1)
+    spec = make_spec(int(match["ws"]), None, roots, match["backend"] or "")
+    return spec, count
 
 
 def _run_broker(args: argparse.Namespace) -> int:
@@ -93,7 +159,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         log_dir = paths.ensure_private_dir(state / "logs")
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     try:
-        handlers.append(logging.FileHandler(log_dir / "broker.log"))
+        handlers.append(LogFileHandler(str(log_dir / "broker.log")))  # a full disk: warns
     except OSError as exc:
         print(
             f"cpq-broker: cannot write {log_dir / 'broker.log'} ({exc}); logging to stderr only",
@@ -106,6 +172,14 @@ def _run_broker(args: argparse.Namespace) -> int:
     )
     if args.max_ranks < 1:
         print("cpq-broker: --max-ranks must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    from cpq.client import default_roots
+
+    roots = [os.path.abspath(r) for r in args.warm_root] or default_roots()
+    try:
+        warm = [parse_warm(text, roots) for text in args.warm]
+    except ValueError as exc:
+        print(f"cpq-broker: {exc}", file=sys.stderr)
         return EXIT_USAGE
     config = BrokerConfig(
         endpoint=args.endpoint or paths.default_endpoint(),
@@ -123,6 +197,12 @@ def _run_broker(args: argparse.Namespace) -> int:
         default_timeout_s=args.timeout or paths.default_timeout(),
         insecure=args.insecure,
         scale_up_after_s=args.scale_up_after,
+        timings_file=args.timings_file or state / TIMINGS_FILE,
+        adaptive_timeout=args.adaptive_timeout,
+        adaptive_k=args.adaptive_k,
+        adaptive_floor_s=args.adaptive_floor,
+        max_rss_growth_mb=args.max_rss_growth,
+        warm=warm,
     )
     try:
         run_broker(config)
@@ -136,7 +216,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     parser = _broker_parser(
         argparse.ArgumentParser(prog="cpq-broker", description="Run a cpq broker.")
     )
-    return _run_broker(parser.parse_args(argv))
+    return _safely(_run_broker, parser.parse_args(argv), "cpq-broker")
 
 
 # --------------------------------------------------------------------------- status
@@ -144,29 +224,80 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
 
 def _status_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--endpoint")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument("--json", action="store_true", help="print one JSON object")
+    view.add_argument(
+        "--prometheus", action="store_true", help="print Prometheus' text exposition format"
+    )
     parser.add_argument("--watch", type=float, nargs="?", const=1.0, help="refresh every N seconds")
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="summarise the timing history (p50/p95/max per test, slowest runs); "
+        "reads the file, needs no broker",
+    )
+    parser.add_argument(
+        "--file", type=Path, help="timing history to read (default <state dir>/timings.jsonl)"
+    )
+    parser.add_argument(
+        "--top", type=int, default=10, help="--timings: how many slowest runs to list"
+    )
     return parser
 
 
-def _run_status(args: argparse.Namespace) -> int:
-    from cpq.client import BrokerUnavailable, Client
-    from cpq.status import render
+def _run_timings(args: argparse.Namespace) -> int:
+    from cpq import timings
 
+    path = args.file or paths.state_dir() / TIMINGS_FILE
+    summary = timings.summarize(timings.read(path), top=args.top)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(timings.render(summary, path))
+    return 0
+
+
+def _watch_frame(text: str, first: bool) -> str:
+    """Redraw in place: home the cursor, overwrite each line, clear what is left below.
+
+    Clearing the whole screen every refresh makes the table flicker; overwriting does not.
+    """
+    body = "\n".join(line + "\x1b[K" for line in text.split("\n"))
+    return ("\x1b[2J" if first else "") + "\x1b[H" + body + "\n\x1b[J"
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from cpq.autostart import broker_alive
+    from cpq.client import BrokerUnavailable, Client
+    from cpq.status import render, render_prometheus, render_prometheus_down
+
+    if args.timings:
+        return _run_timings(args)
     endpoint = args.endpoint or paths.default_endpoint()
+    in_place = bool(args.watch) and not (args.json or args.prometheus) and sys.stdout.isatty()
+    first = True
     try:
+        if endpoint.startswith("ipc://") and not broker_alive(endpoint):
+            # No process holds the endpoint's lock: say so now, not after a connect time-out.
+            raise BrokerUnavailable(f"no cpq broker runs at {endpoint}")
         with Client(endpoint, name="cpq-status", connect_timeout_s=5) as client:
             while True:
                 status = client.status()
-                if args.json:
-                    print(json.dumps(status, indent=None, sort_keys=True))
+                if args.json:  # with --watch: one JSON object per line, per refresh
+                    print(json.dumps(status, indent=None, sort_keys=True), flush=True)
+                elif args.prometheus:
+                    print(render_prometheus(status), end="", flush=True)
+                elif in_place:
+                    print(_watch_frame(render(status), first), end="", flush=True)
                 else:
-                    text = render(status)
-                    print(("\x1b[H\x1b[2J" if args.watch else "") + text, flush=True)
+                    print(render(status) + ("\n" if args.watch else ""), flush=True)
+                first = False
                 if not args.watch:
                     return 0
                 time.sleep(args.watch)
     except BrokerUnavailable as exc:
+        if args.prometheus:  # a scrape of a dead broker is data: cpq_up 0
+            print(render_prometheus_down(), end="", flush=True)
         print(f"cpq-status: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -177,7 +308,7 @@ def status_main(argv: Sequence[str] | None = None) -> int:
     parser = _status_parser(
         argparse.ArgumentParser(prog="cpq-status", description="Show a broker's state.")
     )
-    return _run_status(parser.parse_args(argv))
+    return _safely(_run_status, parser.parse_args(argv), "cpq-status")
 
 
 # --------------------------------------------------------------------------- submit
@@ -264,6 +395,37 @@ def _run_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_drain(args: argparse.Namespace) -> int:
+    """``cpq drain``: accepted tasks finish, new submits are refused, then the broker stops."""
+    from cpq.autostart import broker_alive
+    from cpq.client import BrokerUnavailable, Client
+
+    endpoint = args.endpoint or paths.default_endpoint()
+    try:
+        with Client(endpoint, name="cpq-drain", connect_timeout_s=5) as client:
+            status = client.stop(drain=True)
+    except BrokerUnavailable as exc:
+        print(f"cpq drain: {exc}", file=sys.stderr)
+        return 2
+    running = sum(1 for p in status["pools"] if p.get("task"))
+    queued = sum(q["depth"] for q in status["queue"])
+    print(
+        f"draining: {running} running and {queued} queued task(s) will finish; new submits "
+        "are refused; the broker stops after them",
+        flush=True,
+    )
+    if not args.wait:
+        return 0
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    while broker_alive(endpoint):
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"cpq drain: the broker still runs after {args.timeout:g}s", file=sys.stderr)
+            return 2
+        time.sleep(0.1)
+    print("broker stopped")
+    return 0
+
+
 def _run_keys(args: argparse.Namespace) -> int:
     from cpq.security import generate_keys
 
@@ -288,6 +450,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.add_argument("--endpoint")
     stop.add_argument("--drain", action="store_true", help="finish running tasks first")
     stop.set_defaults(run=_run_stop)
+    drain = commands.add_parser(
+        "drain", help="finish running and queued tasks, refuse new ones, then stop the broker"
+    )
+    drain.add_argument("--endpoint")
+    drain.add_argument("--wait", action="store_true", help="return once the broker has stopped")
+    drain.add_argument("--timeout", type=float, help="--wait at most this many seconds")
+    drain.set_defaults(run=_run_drain)
     keys = commands.add_parser("keys", help="create CURVE keys for tcp endpoints")
     keys.add_argument("--dir", type=Path)
     keys.set_defaults(run=_run_keys)
@@ -295,7 +464,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
-    return int(args.run(args))
+    return _safely(args.run, args, f"cpq {args.command}")
+
+
+def _safely(run: Any, args: argparse.Namespace, prog: str) -> int:
+    """Run a command; an unsafe state directory is a one-line error, not a traceback."""
+    try:
+        return int(run(args))
+    except paths.UnsafeStateDir as exc:
+        print(f"{prog}: refusing to run: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

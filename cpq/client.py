@@ -2,13 +2,14 @@
 
 The client mirrors the worker's threading: a background I/O thread owns the DEALER socket,
 heartbeats, and resolves futures as verdicts arrive, so a test process can keep several
-tasks in flight, notices a dead broker within ``liveness × heartbeat`` seconds even while it
+tasks in flight, notices a dead broker within ``liveness x heartbeat`` seconds even while it
 waits, and the broker notices a dead client the same way (and drops its queued tasks).
 Callers talk to the I/O thread through an inproc PAIR socket guarded by a lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -91,12 +92,15 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
         if not isinstance(name, str):
             raise BadRequest(f"argument names must be strings, got {name!r}")
         try:
-            protocol.pack(value)
-        except protocol.EncodeError as exc:
+            # Round trip: msgpack packs maps with int keys, which the broker refuses to
+            # decode (its answer could not name the task, which would wait forever).
+            protocol.unpack(protocol.pack(value))
+        except (protocol.EncodeError, protocol.ProtocolError) as exc:
             raise protocol.EncodeError(
                 f"argument {name!r} (a {type(value).__name__}) cannot be sent to the ranks: "
                 f"{exc.__cause__ or exc}. Pass msgpack-able values (None, bool, int, float, str, "
-                "bytes, lists and dicts of them) and build richer objects inside the task."
+                "bytes, lists and dicts of them with string keys) and build richer objects "
+                "inside the task."
             ) from None
 
 
@@ -134,11 +138,14 @@ class Client:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._failure: BrokerUnavailable | None = None
-        self._thread = threading.Thread(target=self._io_loop, name="cpq-client-io", daemon=True)
+        self._thread = threading.Thread(target=self._io_main, name="cpq-client-io", daemon=True)
         bound = threading.Event()
         self._bound = bound
         self._thread.start()
         bound.wait()
+        if self._failure is not None:  # the I/O thread could not even set up its sockets
+            self._context.term()
+            raise self._failure
         self._pipe = self._context.socket(zmq.PAIR)
         self._pipe.setsockopt(zmq.LINGER, 0)
         self._pipe.connect(self._pipe_addr)
@@ -148,6 +155,12 @@ class Client:
             self.close()
             raise
         self.broker = welcome.broker
+        # Heartbeat at least as often as the broker expects and give up on it as soon as it
+        # would give up on us: a broker run with a short --heartbeat drops a client that
+        # keeps the 1 s default, and its clients should notice its death as fast.
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            self.heartbeat_s = min(self.heartbeat_s, float(self.broker["heartbeat_s"]))
+            self.liveness = min(self.liveness, int(self.broker["liveness"]))
 
     # ---- public API
 
@@ -274,14 +287,28 @@ class Client:
                 "(start one with `cpq-broker`, or let the pytest plugin start it)"
             ) from None
 
+    def _io_main(self) -> None:
+        """The I/O thread. If it dies, every caller hears of it instead of waiting forever."""
+        try:
+            self._io_loop()
+        except BaseException as exc:
+            log.debug("the cpq client's I/O thread failed", exc_info=True)
+            self._fail_all(BrokerUnavailable(f"the cpq client's I/O thread failed: {exc!r}"))
+        finally:
+            self._bound.set()
+
     def _io_loop(self) -> None:
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
         from cpq import security  # local: only clients of tcp endpoints need keys
 
-        security.configure_client(dealer, self.endpoint)
-        dealer.connect(self.endpoint)
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+            security.configure_client(dealer, self.endpoint)
+            dealer.connect(self.endpoint)  # a malformed endpoint raises here
+        except BaseException:
+            dealer.close(0)
+            raise
         pipe = self._context.socket(zmq.PAIR)
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(self._pipe_addr)
@@ -292,7 +319,6 @@ class Client:
         heartbeat = protocol.encode(protocol.Heartbeat())
         goodbye = protocol.encode(protocol.Goodbye())
         last_heard = last_sent = time.monotonic()
-        silence_limit = self.heartbeat_s * self.liveness
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(timeout=int(self.heartbeat_s * 500)))
@@ -300,18 +326,24 @@ class Client:
                 if pipe in events:
                     while pipe.poll(0):
                         frame = pipe.recv()
-                        dealer.send(frame)
                         if frame == goodbye:  # close() sent it last: stop now, not a poll later
+                            # Never block on it: with no broker connected (a refused CURVE
+                            # handshake, say) a DEALER's send would wait.
+                            with contextlib.suppress(zmq.Again):
+                                dealer.send(frame, zmq.NOBLOCK)
                             return
+                        dealer.send(frame)
                     last_sent = now
                 if dealer in events:
                     last_heard = now
                     while dealer.poll(0):
                         self._on_frame(dealer.recv())
                 if now - last_sent >= self.heartbeat_s:
-                    dealer.send(heartbeat)
+                    with contextlib.suppress(zmq.Again):  # same: no broker, no heartbeat
+                        dealer.send(heartbeat, zmq.NOBLOCK)
                     last_sent = now
                 # Before the broker's welcome, the connect time-out is what counts.
+                silence_limit = self.heartbeat_s * self.liveness  # the welcome may lower it
                 if self.broker and self._failure is None and now - last_heard > silence_limit:
                     self._fail_all(
                         BrokerUnavailable(
@@ -320,7 +352,8 @@ class Client:
                         )
                     )
             while pipe.poll(0):  # a final goodbye
-                dealer.send(pipe.recv())
+                with contextlib.suppress(zmq.Again):
+                    dealer.send(pipe.recv(), zmq.NOBLOCK)
         finally:
             dealer.close(0)
             pipe.close(0)

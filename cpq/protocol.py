@@ -429,6 +429,35 @@ def encode(message: Message) -> bytes:
     return frame
 
 
+#: Optional fields added within protocol 1, by the feature that added them. A broker lists
+#: the features it reads in its groups' environment (``CPQ_BROKER_FEATURES``), and a rank
+#: leaves out the fields of features its broker does not list: an embedded broker outlives
+#: a ``pip install -U cpq``, and its decoder refuses fields it does not know, so without
+#: this a newer rank could never report ready to the older broker that spawned it.
+FEATURES_ENV = "CPQ_BROKER_FEATURES"
+FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "rank-memory": {"rank_ready": ("rss_mb",), "rank_done": ("cuda_mb", "cuda_reserved_mb")},
+    "rank-unfit": {"rank_done": ("unfit",)},
+}
+
+
+def encode_for(message: Message, features: frozenset[str]) -> bytes:
+    """:func:`encode`, without the fields of features the receiving broker does not read."""
+    frame = encode(message)
+    drop = [
+        name
+        for feature, kinds in FEATURE_FIELDS.items()
+        if feature not in features
+        for name in kinds.get(message.KIND, ())
+    ]
+    if not drop:
+        return frame
+    wire = unpack(frame)
+    for name in drop:
+        wire.pop(name, None)
+    return pack(wire)
+
+
 def decode(frame: bytes) -> Message:
     """Parse and check one payload frame; raise :class:`ProtocolError` on anything off."""
     data = unpack(frame)

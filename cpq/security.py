@@ -42,6 +42,8 @@ def generate_keys(base: Path | None = None) -> Path:
     base = paths.ensure_private_dir(base or keys_dir())
     zmq.auth.create_certificates(str(base), "server")
     zmq.auth.create_certificates(str(base), "client")
+    for secret in base.glob("*.key_secret"):  # zmq writes them with the process umask
+        secret.chmod(0o600)
     authorized = paths.ensure_private_dir(authorized_dir(base))
     shutil.copy(base / "client.key", authorized / "client.key")
     return base
@@ -74,6 +76,9 @@ def configure_server(
     base = keys_dir()
     secret = base / "server.key_secret"
     if secret.exists():
+        # Whoever can write the authorised folder decides who may run code here.
+        paths.ensure_private_dir(base)
+        paths.ensure_private_dir(authorized_dir(base))
         authenticator = ThreadAuthenticator(context)
         authenticator.start()
         authenticator.configure_curve(domain="*", location=str(authorized_dir(base)))

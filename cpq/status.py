@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from cpq.protocol import TaskResult
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in headers]] + [
         ["-" if c is None else str(c) for c in row] for row in rows
     ]
@@ -29,15 +30,21 @@ def _secs(value: float | None) -> str:
     return f"{value / 3600:.1f}h"
 
 
+def _per_rank(values: list[float] | None) -> str:
+    return "/".join(f"{v:.0f}" for v in values or []) or "-"
+
+
 def render(status: dict[str, Any]) -> str:
+    """The ``cpq-status`` screen: broker, groups, queues, clients, totals."""
     broker = status["broker"]
     totals = status["totals"]
     gpus = broker.get("gpus") or []
+    free = broker.get("gpus_free") or []
     lines = [
         f"cpq-broker {broker['version']}  pid {broker['pid']}  {broker['endpoint']}  "
-        f"up {_secs(broker['uptime_s'])}",
-        f"GPUs: {','.join(gpus) or 'none'} (free: {','.join(broker.get('gpus_free') or []) or '-'})  "
-        f"max CPU ranks: {broker['max_ranks']}" + ("  DRAINING" if broker.get("draining") else ""),
+        f"up {_secs(broker['uptime_s'])}" + ("  DRAINING" if broker.get("draining") else ""),
+        f"GPUs: {','.join(gpus) or 'none'} ({len(gpus)} owned, {len(free)} free: "
+        f"{','.join(free) or '-'})  max CPU ranks: {broker['max_ranks']}",
         "",
     ]
     pools = status["pools"]
@@ -45,11 +52,16 @@ def render(status: dict[str, Any]) -> str:
         rows = []
         for p in pools:
             task = p.get("task") or {}
-            current = (
-                f"{task.get('test_id') or task.get('target')} ({_secs(task.get('elapsed_s'))})"
-                if task
-                else ""
-            )
+            current = ""
+            if task:
+                deadline = f"/{_secs(task.get('deadline_s'))}" if task.get("deadline_s") else ""
+                current = (
+                    f"{task.get('test_id') or task.get('target')} "
+                    f"({_secs(task.get('elapsed_s'))}{deadline})"
+                )
+            elif p["state"] == "stopping" and p.get("stop_reason"):
+                current = f"({p['stop_reason']})"
+            cuda = p.get("cuda_mb") or []
             rows.append(
                 [
                     p["id"],
@@ -60,13 +72,26 @@ def render(status: dict[str, Any]) -> str:
                     _secs(p["uptime_s"]),
                     p["tasks_done"],
                     _secs(p.get("last_heartbeat_s")),
-                    "/".join(f"{m:.0f}" for m in p.get("rss_mb") or []) or "-",
+                    _per_rank(p.get("rss_mb")),
+                    _per_rank(cuda) if any(cuda) else "-",
                     current,
                 ]
             )
         lines.append(
-            _table(
-                ["group", "spec", "gpus", "state", "pid", "up", "tasks", "hb", "rss MB", "running"],
+            table(
+                [
+                    "group",
+                    "spec",
+                    "gpus",
+                    "state",
+                    "pid",
+                    "up",
+                    "tasks",
+                    "hb",
+                    "rss MB",
+                    "cuda MB",
+                    "running (elapsed/deadline)",
+                ],
                 rows,
             )
         )
@@ -75,7 +100,7 @@ def render(status: dict[str, Any]) -> str:
     lines.append("")
     if status["queue"]:
         lines.append(
-            _table(
+            table(
                 ["queued spec", "depth", "oldest wait"],
                 [[q["spec"], q["depth"], _secs(q["oldest_wait_s"])] for q in status["queue"]],
             )
@@ -83,7 +108,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append("")
     if status["clients"]:
         lines.append(
-            _table(
+            table(
                 ["client", "host", "pid", "worker", "in flight", "submitted"],
                 [
                     [
@@ -111,15 +136,214 @@ def render(status: dict[str, Any]) -> str:
                 "errors",
                 "retries",
                 "groups_started",
+                "groups_recycled",
             )
+            if k in totals
         )
     )
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- Prometheus
+
+#: Every state a group can be in, so ``cpq_groups{state=...}`` always has all four series
+#: (a series that vanishes at 0 makes rates and alerts lie).
+GROUP_STATES = ("starting", "idle", "busy", "stopping")
+
+
+def _label(value: Any) -> str:
+    text = str(value)
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _sample(name: str, value: float, labels: dict[str, Any] | None = None) -> str:
+    inner = ",".join(f'{k}="{_label(v)}"' for k, v in (labels or {}).items())
+    number = "NaN" if math.isnan(value) else repr(float(value))
+    return f"{name}{{{inner}}} {number}" if inner else f"{name} {number}"
+
+
+def render_prometheus_down() -> str:
+    """What ``--prometheus`` prints when no broker answers, so alerts can fire on it."""
+    return "# HELP cpq_up 1 while the broker answers.\n# TYPE cpq_up gauge\ncpq_up 0.0\n"
+
+
+def render_prometheus(status: dict[str, Any]) -> str:
+    """The status in Prometheus' text exposition format (version 0.0.4).
+
+    Counters are the broker's totals since it started (they reset with the broker, which
+    Prometheus' ``rate()`` handles); gauges are the moment's state. Written by hand so that
+    cpq itself does not depend on ``prometheus_client`` (the tests parse it with that).
+    """
+    broker, totals = status["broker"], status["totals"]
+    out: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(samples)
+
+    family("cpq_up", "gauge", "1 while the broker answers.", [_sample("cpq_up", 1)])
+    family(
+        "cpq_broker_info",
+        "gauge",
+        "The broker's version and endpoint (value 1).",
+        [
+            _sample(
+                "cpq_broker_info",
+                1,
+                {
+                    "version": broker["version"],
+                    "protocol": broker.get("protocol", ""),
+                    "endpoint": broker["endpoint"],
+                    "pid": broker["pid"],
+                },
+            )
+        ],
+    )
+    family(
+        "cpq_uptime_seconds",
+        "gauge",
+        "Seconds since the broker started.",
+        [_sample("cpq_uptime_seconds", broker["uptime_s"])],
+    )
+    family(
+        "cpq_draining",
+        "gauge",
+        "1 while the broker drains (accepts no new tasks).",
+        [_sample("cpq_draining", 1 if broker.get("draining") else 0)],
+    )
+    owned, free = len(broker.get("gpus") or []), len(broker.get("gpus_free") or [])
+    family(
+        "cpq_gpus",
+        "gauge",
+        "GPUs the broker owns, by whether a group holds them.",
+        [
+            _sample("cpq_gpus", free, {"state": "free"}),
+            _sample("cpq_gpus", owned - free, {"state": "used"}),
+        ],
+    )
+    family(
+        "cpq_tasks_submitted_total",
+        "counter",
+        "Tasks submitted by clients.",
+        [_sample("cpq_tasks_submitted_total", totals["submitted"])],
+    )
+    family(
+        "cpq_tasks_total",
+        "counter",
+        "Finished tasks by outcome (rejected tasks count as error too).",
+        [
+            _sample("cpq_tasks_total", totals[key], {"outcome": outcome})
+            for outcome, key in (
+                ("passed", "passed"),
+                ("failed", "failed"),
+                ("skipped", "skipped"),
+                ("error", "errors"),
+            )
+        ],
+    )
+    for name, key, help_text in (
+        ("cpq_tasks_rejected_total", "rejected", "Tasks refused at submit."),
+        ("cpq_retries_total", "retries", "Infra errors retried on a fresh group."),
+        ("cpq_groups_started_total", "groups_started", "Worker groups started."),
+        ("cpq_groups_failed_total", "groups_failed", "Groups that died or never came up."),
+        ("cpq_groups_recycled_total", "groups_recycled", "Groups recycled (tasks or memory)."),
+        ("cpq_group_start_seconds_total", "group_start_s", "Seconds spent starting groups."),
+        ("cpq_malformed_messages_total", "malformed", "Messages dropped as malformed."),
+        (
+            "cpq_timings_write_errors_total",
+            "timings_write_errors",
+            "Timing history lines that could not be written.",
+        ),
+    ):
+        if key in totals:
+            family(name, "counter", help_text, [_sample(name, totals[key])])
+    pools = status["pools"]
+    family(
+        "cpq_groups",
+        "gauge",
+        "Worker groups by state.",
+        [
+            _sample("cpq_groups", sum(1 for p in pools if p["state"] == state), {"state": state})
+            for state in GROUP_STATES
+        ],
+    )
+    family(
+        "cpq_group_tasks_done",
+        "gauge",
+        "Tasks a live group has served.",
+        [
+            _sample("cpq_group_tasks_done", p["tasks_done"], {"group": p["id"], "spec": p["spec"]})
+            for p in pools
+        ],
+    )
+    for name, key, help_text in (
+        ("cpq_group_rss_bytes", "rss_mb", "Resident memory of each rank after its last task."),
+        (
+            "cpq_group_cuda_allocated_bytes",
+            "cuda_mb",
+            "torch.cuda.memory_allocated() of each rank after its last task.",
+        ),
+        (
+            "cpq_group_cuda_reserved_bytes",
+            "cuda_reserved_mb",
+            "torch.cuda.memory_reserved() of each rank after its last task.",
+        ),
+    ):
+        family(
+            name,
+            "gauge",
+            help_text,
+            [
+                _sample(name, mb * 2**20, {"group": p["id"], "rank": rank})
+                for p in pools
+                for rank, mb in enumerate(p.get(key) or [])
+            ],
+        )
+    family(
+        "cpq_task_elapsed_seconds",
+        "gauge",
+        "How long each busy group's current task has run.",
+        [
+            _sample(
+                "cpq_task_elapsed_seconds",
+                p["task"]["elapsed_s"],
+                {"group": p["id"], "test": p["task"]["test_id"] or p["task"]["target"]},
+            )
+            for p in pools
+            if p.get("task")
+        ],
+    )
+    family(
+        "cpq_queue_depth",
+        "gauge",
+        "Queued tasks per pool spec.",
+        [_sample("cpq_queue_depth", q["depth"], {"spec": q["spec"]}) for q in status["queue"]],
+    )
+    family(
+        "cpq_queue_oldest_wait_seconds",
+        "gauge",
+        "How long the oldest queued task of each spec has waited.",
+        [
+            _sample("cpq_queue_oldest_wait_seconds", q["oldest_wait_s"], {"spec": q["spec"]})
+            for q in status["queue"]
+        ],
+    )
+    clients = status["clients"]
+    family("cpq_clients", "gauge", "Connected clients.", [_sample("cpq_clients", len(clients))])
+    family(
+        "cpq_tasks_in_flight",
+        "gauge",
+        "Tasks submitted and not yet answered (queued or running).",
+        [_sample("cpq_tasks_in_flight", sum(c["in_flight"] for c in clients))],
+    )
+    return "\n".join(out) + "\n"
+
+
 def render_result(result: TaskResult) -> str:
     lines = [
-        f"{result.outcome.upper()} in {result.duration_s * 1000:.1f} ms on group {result.group_id or '-'}"
+        f"{result.outcome.upper()} in {result.duration_s * 1000:.1f} ms "
+        f"on group {result.group_id or '-'}"
     ]
     if result.message:
         lines.append(result.message)

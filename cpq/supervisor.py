@@ -69,6 +69,7 @@ class GroupProcess:
                 "CPQ_LIVENESS": str(self.liveness),
                 "CPQ_ROOTS": os.pathsep.join(self.spec.roots),
                 "CPQ_LOG_DIR": str(self.log_dir),
+                protocol.FEATURES_ENV: ",".join(protocol.FEATURE_FIELDS),  # what we can read
                 "CUDA_VISIBLE_DEVICES": ",".join(self.gpus),
                 "PYTHONUNBUFFERED": "1",
                 # torchrun's default spreads OMP threads thin; each rank gets one thread so

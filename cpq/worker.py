@@ -264,6 +264,40 @@ def _rss_mb() -> float:
         return 0.0
 
 
+def _cuda_now_mb() -> tuple[float, float]:
+    """``(allocated, reserved)`` MB on this rank's device right now; zeros without CUDA.
+
+    Reported after every task so ``cpq-status`` shows what a warm rank keeps holding
+    between tasks (a leak there is what makes the next test run out of memory).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0.0, 0.0
+    return torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
+
+
+#: A rank with fewer free file descriptors than this after a task is recycled.
+FD_HEADROOM = 32
+
+
+def _unfit_reason() -> str:
+    """Why this rank must not serve another task ("" when it may).
+
+    A task that leaves the process without free file descriptors (leaked sockets, files,
+    an exhausted ``RLIMIT_NOFILE``) would make every later test on this rank fail in ways
+    that have nothing to do with it (an ``import`` or an ``open`` fails); the broker
+    recycles the group instead. Costs one directory listing (~15 us) per task.
+    """
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:  # EMFILE: not even one descriptor is left for the listing
+        return f"cannot open file descriptors any more ({exc.strerror})"
+    if soft != resource.RLIM_INFINITY and soft - used < FD_HEADROOM:
+        return f"has {used} file descriptors open of its limit of {soft}"
+    return ""
+
+
 def _peak_cuda_mb() -> float:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
@@ -304,12 +338,15 @@ def run_task(
 def _check_return_value(target: str, value: Any) -> None:
     """Refuse a return value that cannot travel here, saying so in the user's terms."""
     try:
-        protocol.pack(value)
-    except protocol.EncodeError as exc:
+        # The round trip matters: msgpack packs maps with int keys, but the broker only
+        # decodes string (or bytes) keys and would drop the whole report as malformed.
+        protocol.unpack(protocol.pack(value))
+    except (protocol.EncodeError, protocol.ProtocolError) as exc:
         raise protocol.EncodeError(
             f"the return value of {target} (a {type(value).__name__}) cannot be sent back: "
             f"{exc.__cause__ or exc}. Return msgpack-able values (None, bool, int, float, str, "
-            "bytes, lists and dicts of them), e.g. tensor.tolist() instead of a tensor."
+            "bytes, lists and dicts of them with string keys), e.g. tensor.tolist() instead "
+            "of a tensor."
         ) from None
 
 
@@ -341,6 +378,11 @@ def main() -> None:
         format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
     )
     started = time.monotonic()
+    # Import torch before the I/O thread says hello: loading its shared libraries holds the
+    # GIL for seconds on a busy node, which would silence the heartbeats of a rank the
+    # broker already counts (and fail a group that is only starting slowly).
+    import torch.distributed  # noqa: F401
+
     context: zmq.Context[Any] = zmq.Context()
     io = IOThread(config, context)
     io.start()
@@ -354,21 +396,33 @@ def main() -> None:
     init_process_group(config)
     preload_modules()
     load_hooks_from_env()
-    ready = protocol.RankReady(rank=config.rank, startup_s=time.monotonic() - started)
-    results.send(protocol.encode(ready))
+    ready = protocol.RankReady(
+        rank=config.rank, startup_s=time.monotonic() - started, rss_mb=_rss_mb()
+    )
+    # Fields the broker that spawned us cannot read stay home (see protocol.FEATURE_FIELDS).
+    features = frozenset(os.environ.get(protocol.FEATURES_ENV, "").split(","))
+    results.send(protocol.encode_for(ready, features))
     log.info("ready after %.2fs", ready.startup_s)
     baseline = Baseline.capture()
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     while (task := io.tasks.get()) is not None:
         result = run_task(task, config.rank, baseline, capture)
-        done = protocol.RankDone(task_id=task.task_id, result=result, rss_mb=_rss_mb())
+        cuda_mb, cuda_reserved_mb = _cuda_now_mb()
+        done = protocol.RankDone(
+            task_id=task.task_id,
+            result=result,
+            rss_mb=_rss_mb(),
+            cuda_mb=cuda_mb,
+            cuda_reserved_mb=cuda_reserved_mb,
+            unfit=_unfit_reason(),
+        )
         try:
-            frame = protocol.encode(done)
+            frame = protocol.encode_for(done, features)
         except protocol.EncodeError as exc:
             result.stdout = result.stderr = ""
             result.error = protocol.RankError("cpq.EncodeError", str(exc))
             result.outcome, result.value = "failed", None
-            frame = protocol.encode(done)
+            frame = protocol.encode_for(done, features)
         results.send(frame)
     log.info("shutting down")
     _hard_exit(0)

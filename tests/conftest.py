@@ -9,8 +9,10 @@ broker itself start a private one with :func:`start_broker`.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,29 +55,49 @@ def stop_broker(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-@pytest.fixture(scope="session")
-def broker_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cpq-state")
-    path.chmod(0o700)
-    return path
+_shared: dict[str, object] = {}
 
 
-@pytest.fixture(scope="session")
-def broker(broker_state: Path) -> Iterator[str]:
-    """The shared broker's endpoint (also exported as CPQ_ENDPOINT for pytester runs)."""
-    process, endpoint = start_broker(broker_state, "--max-ranks", "6")
-    old = {k: os.environ.get(k) for k in ("CPQ_ENDPOINT", "CPQ_STATE_DIR")}
+def pytest_configure(config: pytest.Config) -> None:
+    """Start the shared broker before the session starts.
+
+    The cpq plugin may warm pools at ``pytest_sessionstart`` (from pytest's cache), which
+    comes before any fixture: CPQ_ENDPOINT must already name this broker by then, or the
+    plugin would talk to (and autostart) a broker on the default endpoint instead.
+    """
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker of this suite: the controller's broker is in os.environ
+    state = Path(tempfile.mkdtemp(prefix="cpq-test-state-"))
+    state.chmod(0o700)
+    process, endpoint = start_broker(state, "--max-ranks", "6")
+    _shared.update(process=process, endpoint=endpoint, state=state)
+    _shared["old_env"] = {k: os.environ.get(k) for k in ("CPQ_ENDPOINT", "CPQ_STATE_DIR")}
     os.environ["CPQ_ENDPOINT"] = endpoint
-    os.environ["CPQ_STATE_DIR"] = str(broker_state)
-    try:
-        yield endpoint
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        stop_broker(process)
+    os.environ["CPQ_STATE_DIR"] = str(state)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    process = _shared.pop("process", None)
+    if process is None:
+        return
+    for key, value in _shared.pop("old_env").items():  # type: ignore[attr-defined]
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    stop_broker(process)  # type: ignore[arg-type]
+    shutil.rmtree(_shared.pop("state"), ignore_errors=True)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def broker_state() -> Path:
+    return Path(os.environ["CPQ_STATE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def broker() -> str:
+    """The shared broker's endpoint (also CPQ_ENDPOINT, so pytester runs inherit it)."""
+    return str(_shared["endpoint"])
 
 
 @pytest.fixture

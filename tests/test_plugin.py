@@ -14,7 +14,6 @@ import pytest
 
 from cpq import Client
 
-
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,6 +93,21 @@ def sleep(seconds: float) -> float:
     return seconds
 
 
+def hold_until(path: str, timeout_s: float = 120.0) -> float:
+    """Keeps the group busy until ``path`` exists; returns how long it waited.
+
+    A test that needs a busy group (to look at status, queue behind it, drain around it)
+    creates the file when it is done looking, instead of guessing a sleep long enough for a
+    slow machine. ``timeout_s`` bounds the wait if the test dies before releasing it.
+    """
+    start = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:g}s")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
 def fail_on_rank(rank: int = 1, message: str = "boom") -> None:
     assert dist.get_rank() != rank, f"{message} on rank {dist.get_rank()}"
 
