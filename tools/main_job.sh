@@ -19,7 +19,8 @@ echo "== cpq submit --world-size 2 workers.collectives:all_checks"
 cpq submit --no-autostart --world-size 2 workers.collectives:all_checks
 echo
 echo "== pytest tests/test_cp_attention.py (on the same warm group)"
-python -m pytest -q -p no:cacheprovider tests/test_cp_attention.py
+# --noconftest: the suite's conftest starts a private broker for the test suite itself
+python -m pytest -q -p no:cacheprovider --noconftest tests/test_cp_attention.py
 echo
 echo "== cpq-status"
 cpq-status
