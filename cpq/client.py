@@ -91,17 +91,14 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
     for name, value in kwargs.items():
         if not isinstance(name, str):
             raise BadRequest(f"argument names must be strings, got {name!r}")
-        try:
-            # Round trip: msgpack packs maps with int keys, which the broker refuses to
-            # decode (its answer could not name the task, which would wait forever).
-            protocol.unpack(protocol.pack(value))
-        except (protocol.EncodeError, protocol.ProtocolError) as exc:
+        problem = protocol.travel_problem(value)
+        if problem:
             raise protocol.EncodeError(
                 f"argument {name!r} (a {type(value).__name__}) cannot be sent to the ranks: "
-                f"{exc.__cause__ or exc}. Pass msgpack-able values (None, bool, int, float, str, "
+                f"{problem}. Pass msgpack-able values (None, bool, int, float, str, "
                 "bytes, lists and dicts of them with string keys) and build richer objects "
                 "inside the task."
-            ) from None
+            )
 
 
 _PIPE_SEQ = itertools.count()

@@ -414,7 +414,7 @@ def _travelling_args(item: pytest.Function) -> dict[str, Any]:
                 f"a @pytest.mark.cpq test runs on the ranks and cannot use the {name!r} fixture",
                 pytrace=False,
             )
-        problem = _encoding_problem(value)
+        problem = protocol.travel_problem(value)
         if problem:
             if name in param_names:
                 what = f"parameter {name!r} = {value!r} (a {type(value).__name__})"
@@ -428,14 +428,6 @@ def _travelling_args(item: pytest.Function) -> dict[str, Any]:
             )
         args[name] = value
     return args
-
-
-def _encoding_problem(value: Any) -> str:
-    try:
-        protocol.pack(value)
-    except protocol.EncodeError as exc:
-        return str(exc.__cause__ or exc)
-    return ""
 
 
 @pytest.hookimpl(tryfirst=True)

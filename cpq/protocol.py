@@ -402,6 +402,19 @@ def from_wire(cls: type[_T], data: Any) -> _T:
     return _from_wire(cls, data, cls.__name__)
 
 
+def travel_problem(value: Any) -> str:
+    """Why ``value`` cannot travel as task data (arguments, return values); "" if it can.
+
+    A round trip, not just packing: msgpack packs maps with int keys, which the receiving
+    side refuses to decode, and a message that cannot be decoded cannot name its task.
+    """
+    try:
+        unpack(pack(value))
+    except (EncodeError, ProtocolError) as exc:
+        return str(exc.__cause__ or exc)
+    return ""
+
+
 def pack(value: Any) -> bytes:
     """msgpack with a clear error for what cannot travel."""
     try:

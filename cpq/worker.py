@@ -337,17 +337,14 @@ def run_task(
 
 def _check_return_value(target: str, value: Any) -> None:
     """Refuse a return value that cannot travel here, saying so in the user's terms."""
-    try:
-        # The round trip matters: msgpack packs maps with int keys, but the broker only
-        # decodes string (or bytes) keys and would drop the whole report as malformed.
-        protocol.unpack(protocol.pack(value))
-    except (protocol.EncodeError, protocol.ProtocolError) as exc:
+    problem = protocol.travel_problem(value)
+    if problem:
         raise protocol.EncodeError(
             f"the return value of {target} (a {type(value).__name__}) cannot be sent back: "
-            f"{exc.__cause__ or exc}. Return msgpack-able values (None, bool, int, float, str, "
+            f"{problem}. Return msgpack-able values (None, bool, int, float, str, "
             "bytes, lists and dicts of them with string keys), e.g. tensor.tolist() instead "
             "of a tensor."
-        ) from None
+        )
 
 
 def _describe(exc: BaseException) -> protocol.RankError:
