@@ -174,7 +174,7 @@ def test_client_refuses_what_the_broker_could_not_decode(client: Client) -> None
     with pytest.raises(EncodeError, match=r"argument 'nested' \(a list\).*recursion limit"):
         client.submit(NOOP, WS, {"nested": deep})
     with pytest.raises(EncodeError, match=r"argument 'table' \(a dict\).*map key"):
-        client.submit(NOOP, WS, {"table": {1: "one"}})
+        client.submit_async(NOOP, WS, {"table": {1: "one"}}).result(timeout=10)
     with pytest.raises(EncodeError, match=r"argument 'when' \(a datetime\)"):
         client.submit(NOOP, WS, {"when": datetime.datetime.now()})
     assert client.status()["totals"]["submitted"] == before
