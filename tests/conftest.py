@@ -16,8 +16,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
 from cpq import Client
 from cpq.autostart import broker_alive
@@ -104,3 +107,28 @@ def broker() -> str:
 def client(broker: str) -> Iterator[Client]:
     with Client(broker, name="pytest") as c:
         yield c
+
+
+@pytest.fixture
+def raw_dealer(broker: str) -> Iterator[zmq.Socket[Any]]:
+    """A raw DEALER on the shared broker's frontend: no client library, no hello."""
+    context: zmq.Context[Any] = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        context.term()
+
+
+def broker_reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any]:
+    """The broker's next answer on a raw socket, skipping its heartbeats."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if sock.poll(int(left * 1000) + 1):
+            message = msgpack.unpackb(sock.recv(), raw=False)
+            if message.get("k") != "hb":
+                return message
+    raise AssertionError(f"no answer from the broker within {timeout_s}s")

@@ -17,14 +17,13 @@ import datetime
 import random
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
-from conftest import ROOT
+from conftest import ROOT, broker_reply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,28 +56,9 @@ def deep_kwargs(depth: int) -> bytes:
 
 
 @pytest.fixture
-def raw(broker: str) -> Iterator[zmq.Socket[Any]]:
+def raw(raw_dealer: zmq.Socket[Any]) -> zmq.Socket[Any]:
     """A raw DEALER on the shared broker's frontend: no client library, no hello."""
-    context: zmq.Context[Any] = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(broker)
-    try:
-        yield sock
-    finally:
-        sock.close(0)
-        context.term()
-
-
-def reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any]:
-    """The broker's next answer other than a heartbeat."""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        if sock.poll(int(left * 1000) + 1):
-            message = msgpack.unpackb(sock.recv(), raw=False)
-            if message.get("k") != "hb":
-                return message
-    raise AssertionError(f"no answer from the broker within {timeout_s}s")
+    return raw_dealer
 
 
 def serves(client: Client) -> None:
@@ -111,7 +91,7 @@ def test_request_that_can_never_run_is_rejected_at_once(
     raw: zmq.Socket[Any], frame: bytes, words: str
 ) -> None:
     raw.send(frame)
-    answer = reply(raw)
+    answer = broker_reply(raw)
     assert answer["k"] == "done", answer
     assert answer["result"]["outcome"] == "error"
     assert answer["result"]["task_id"] == "raw"
@@ -145,7 +125,7 @@ def test_malformed_frame_is_answered_with_an_error(
 ) -> None:
     before = client.status()["totals"]["malformed"]
     raw.send(frame)
-    answer = reply(raw)
+    answer = broker_reply(raw)
     assert answer["k"] == "error", answer
     assert words in answer["message"], answer["message"]
     if "client message" not in words:  # decodes fine, it is just not for the broker
@@ -156,7 +136,7 @@ def test_raw_requests_leave_the_broker_serving(raw: zmq.Socket[Any], client: Cli
     for frame, _ in (p.values for p in [*REJECTED, *MALFORMED]):
         raw.send(frame)
     for _ in range(len(REJECTED) + len(MALFORMED)):
-        assert reply(raw)["k"] in ("done", "error")
+        assert broker_reply(raw)["k"] in ("done", "error")
     serves(client)
     assert client.status()["queue"] == []  # nothing was queued by any of them
 

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from conftest import ROOT, start_broker, stop_broker
+from conftest import ROOT, broker_reply, start_broker, stop_broker
 
 from cpq import BadRequest, Client, EncodeError, protocol
 from cpq.client import make_spec
@@ -261,30 +260,6 @@ def _submit(**changes: Any) -> bytes:
     return _wire(**fields)
 
 
-@pytest.fixture
-def raw_dealer(broker: str) -> Iterator[zmq.Socket[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(broker)
-    try:
-        yield sock
-    finally:
-        sock.close(0)
-        context.term()
-
-
-def _reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any]:
-    """The broker's next answer, skipping its heartbeats."""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        if sock.poll(int(left * 1000) + 1):
-            message = msgpack.unpackb(sock.recv(), raw=False)
-            if message.get("k") != "hb":
-                return message
-    raise AssertionError(f"no answer from the broker within {timeout_s}s")
-
-
 @pytest.mark.parametrize(
     ("frames", "words"),
     [
@@ -338,7 +313,7 @@ def test_malformed_message_gets_an_error_and_the_broker_keeps_serving(
     client: Client, raw_dealer: zmq.Socket[Any], frames: list[bytes], words: str
 ) -> None:
     raw_dealer.send_multipart(frames)
-    reply = _reply(raw_dealer)
+    reply = broker_reply(raw_dealer)
     assert reply["k"] == "error", reply
     assert words in reply["message"]
     assert client.submit(NOOP, WS).outcome == "passed"
