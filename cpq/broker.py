@@ -18,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import math
 import os
 import shutil
 import signal
@@ -428,8 +429,10 @@ class Broker:
         module, sep, attr = message.target.partition(":")
         if not sep or not module or not attr:
             return f"target {message.target!r} must look like 'package.module:function'"
-        if message.timeout is not None and not message.timeout > 0:  # NaN too: never fires
-            return f"timeout must be positive, got {message.timeout}"
+        if message.timeout is not None and not 0 < message.timeout < math.inf:
+            # NaN and inf too: a deadline that never fires lets one hung test hold a group
+            # (and its GPUs) for good; heartbeats only catch dead ranks, not stuck ones.
+            return f"timeout must be a positive, finite number of seconds, got {message.timeout}"
         impossible = self.resources.impossible(message.spec)
         if impossible:
             return impossible

@@ -427,9 +427,13 @@ def _run_drain(args: argparse.Namespace) -> int:
 
 
 def _run_keys(args: argparse.Namespace) -> int:
-    from cpq.security import generate_keys
+    from cpq.security import KeysExist, generate_keys
 
-    base = generate_keys(args.dir)
+    try:
+        base = generate_keys(args.dir, replace=args.force)
+    except KeysExist as error:
+        print(f"cpq keys: {error}", file=sys.stderr)
+        return 1
     print(f"keys written to {base} (authorised clients: {base / 'authorized'})")
     return 0
 
@@ -459,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     drain.set_defaults(run=_run_drain)
     keys = commands.add_parser("keys", help="create CURVE keys for tcp endpoints")
     keys.add_argument("--dir", type=Path)
+    keys.add_argument("--force", action="store_true", help="replace keys that already exist")
     keys.set_defaults(run=_run_keys)
     try:
         args = parser.parse_args(argv)

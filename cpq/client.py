@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import sys
@@ -99,6 +100,17 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
                 "bytes, lists and dicts of them with string keys) and build richer objects "
                 "inside the task."
             )
+
+
+def check_timeout(timeout: float) -> float:
+    """A deadline must fire: NaN, inf, zero and negatives are refused before they travel."""
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        raise BadRequest(f"timeout must be a number of seconds, got {timeout!r}") from None
+    if not 0 < seconds < math.inf:
+        raise BadRequest(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    return seconds
 
 
 _PIPE_SEQ = itertools.count()
@@ -204,14 +216,13 @@ class Client:
         """Like :meth:`submit` but returns a future; many may be in flight at once."""
         kwargs = dict(kwargs or {})
         check_kwargs(kwargs)
-        if timeout is None:
-            timeout = paths.default_timeout()
+        timeout = paths.default_timeout() if timeout is None else check_timeout(timeout)
         message = protocol.Submit(
             task_id=uuid.uuid4().hex,
             target=target,
             spec=make_spec(world_size, env, roots, backend),
             kwargs=kwargs,
-            timeout=float(timeout),
+            timeout=timeout,
             seed=seed,
             test_id=test_id,
         )

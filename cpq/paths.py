@@ -7,6 +7,7 @@ time it is used and refused when someone else owns it or others can enter it.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from pathlib import Path
@@ -60,8 +61,8 @@ def default_timeout() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_VAR} must be positive, got {value}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{TIMEOUT_VAR} must be a positive, finite number, got {raw!r}")
     return value
 
 

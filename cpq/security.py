@@ -37,9 +37,30 @@ def authorized_dir(base: Path | None = None) -> Path:
     return (base or keys_dir()) / "authorized"
 
 
-def generate_keys(base: Path | None = None) -> Path:
-    """Create a server and a client key pair; authorise the client. Returns the folder."""
-    base = paths.ensure_private_dir(base or keys_dir())
+class KeysExist(FileExistsError):
+    """``cpq keys`` would overwrite a key pair that brokers and clients already use."""
+
+
+def generate_keys(base: Path | None = None, *, replace: bool = False) -> Path:
+    """Create a server and a client key pair; authorise the client. Returns the folder.
+
+    Existing keys are kept unless ``replace``: a new server key silently locks out every
+    client that pinned the old one, and a new client key is not yet authorised by brokers
+    that copied the old one, so regenerating must be a decision, not a side effect.
+    """
+    base = base or keys_dir()
+    existing = sorted(
+        path.name
+        for name in ("server", "client")
+        for path in (base / f"{name}.key", base / f"{name}.key_secret")
+        if path.exists()
+    )
+    if existing and not replace:
+        raise KeysExist(
+            f"{base} already holds {', '.join(existing)}; brokers and clients may be using "
+            "them. Pass --force to replace them (clients must then fetch the new server.key)."
+        )
+    base = paths.ensure_private_dir(base)
     zmq.auth.create_certificates(str(base), "server")
     zmq.auth.create_certificates(str(base), "client")
     for secret in base.glob("*.key_secret"):  # zmq writes them with the process umask

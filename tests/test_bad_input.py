@@ -82,7 +82,9 @@ REJECTED = [
     ),
     pytest.param(submit(spec=spec(backend="carrier-pigeon")), "unknown torch.distributed backend",
                  id="bad-backend"),
-    pytest.param(submit(timeout=-1.0), "timeout must be positive", id="negative-timeout"),
+    pytest.param(submit(timeout=-1.0), "timeout must be a positive, finite", id="negative-timeout"),
+    pytest.param(submit(timeout=float("inf")), "finite number", id="infinite-timeout"),
+    pytest.param(submit(timeout=float("nan")), "finite number", id="nan-timeout"),
 ]  # fmt: skip
 
 

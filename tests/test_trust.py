@@ -271,6 +271,24 @@ def test_cpq_keys_makes_a_private_key_pair_and_an_authorised_folder(tmp_path: Pa
         assert stat.S_IMODE((keys / secret).stat().st_mode) == 0o600
 
 
+def test_cpq_keys_keeps_existing_keys_unless_forced(tmp_path: Path) -> None:
+    """A silent regeneration would lock out every client that pinned the old server key."""
+    keys = tmp_path / "keys"
+    assert cpq_cli("keys", "--dir", str(keys), env={}).returncode == 0
+    before = {p.name: p.read_bytes() for p in keys.glob("*.key*")}
+    again = cpq_cli("keys", "--dir", str(keys), env={})
+    assert again.returncode == 1
+    assert "already holds" in again.stderr and "--force" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert {p.name: p.read_bytes() for p in keys.glob("*.key*")} == before
+    forced = cpq_cli("keys", "--dir", str(keys), "--force", env={})
+    assert forced.returncode == 0, forced.stderr
+    after = {p.name: p.read_bytes() for p in keys.glob("*.key*")}
+    assert after.keys() == before.keys()
+    assert after["server.key"] != before["server.key"]
+    assert (keys / "authorized" / "client.key").read_bytes() == after["client.key"]
+
+
 @pytest.mark.parametrize(
     ("host", "insecure", "words"),
     [
