@@ -1,4 +1,6 @@
-"""The embedded default: start a background broker when none serves the endpoint.
+"""Starting broker processes: the embedded default, and the helper everything else uses.
+
+:func:`ensure_broker` starts a background broker when none serves the endpoint.
 
 Many processes may race here at once (every pytest-xdist worker of a session, several
 sessions on one node). A file lock serialises them and the broker's own endpoint lock
@@ -12,6 +14,7 @@ import fcntl
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cpq import paths
@@ -47,40 +50,76 @@ def ensure_broker(
         if broker_alive(endpoint):
             return False
         log_dir = paths.ensure_private_dir(state / "logs")
-        log_path = log_dir / "broker-autostart.log"
-        command = [
-            sys.executable,
-            "-m",
-            "cpq.cli",
-            "broker",
-            "--endpoint",
+        spawn_broker(
             endpoint,
-            "--idle-exit",
-            str(idle_exit_s),
-            *(extra_args or []),
-        ]
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd="/",
-            )
-        deadline = time.monotonic() + 30
-        while not broker_alive(endpoint):
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the background broker exited with status {process.returncode}:\n"
-                    + _tail(log_path)
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the background broker did not start within 30s:\n{_tail(log_path)}"
-                )
-            time.sleep(0.02)
+            ["--idle-exit", str(idle_exit_s), *(extra_args or [])],
+            log_path=log_dir / "broker-autostart.log",
+            cwd="/",
+            detach=True,
+        )
         return True
+
+
+class BrokerStartError(RuntimeError):
+    """A broker process exited, or did not take its endpoint in time; the message ends
+    with the tail of its log, which says why."""
+
+
+def spawn_broker(
+    endpoint: str,
+    args: Sequence[str] = (),
+    *,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    detach: bool = False,
+    timeout_s: float = 30.0,
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m cpq.cli broker --endpoint ENDPOINT *ARGS`` and wait until it serves.
+
+    "Serves" is :func:`broker_alive`: the broker takes the endpoint's lock only after its
+    sockets are bound, so from then on a client that connects gets answers. ``detach``
+    puts it in a session of its own (the autostarted broker outlives the pytest session
+    that started it). The one way cpq, its tests and its tools start a broker process.
+    """
+    command = [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, *args]
+    with open(log_path, "ab") as log_file:  # the child keeps its own copy of the fd
+        process = subprocess.Popen(
+            command,
+            env=None if env is None else dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=detach,
+            cwd=cwd,
+        )
+    deadline = time.monotonic() + timeout_s
+    while not broker_alive(endpoint):
+        if process.poll() is not None:
+            raise BrokerStartError(
+                f"the broker exited with status {process.returncode}:\n{_tail(log_path)}"
+            )
+        if time.monotonic() > deadline:
+            stop_broker(process)
+            raise BrokerStartError(
+                f"the broker did not start within {timeout_s:g}s:\n{_tail(log_path)}"
+            )
+        time.sleep(0.02)
+    return process
+
+
+def stop_broker(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGTERM (the broker kills its groups as whole sessions), then SIGKILL if it lingers.
+
+    Returns the exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def _tail(path: Path, size: int = 3000) -> str:
@@ -91,4 +130,11 @@ def _tail(path: Path, size: int = 3000) -> str:
     return data[-size:].decode("utf-8", errors="replace")
 
 
-__all__ = ["DEFAULT_IDLE_EXIT_S", "broker_alive", "ensure_broker"]
+__all__ = [
+    "DEFAULT_IDLE_EXIT_S",
+    "BrokerStartError",
+    "broker_alive",
+    "ensure_broker",
+    "spawn_broker",
+    "stop_broker",
+]

@@ -32,7 +32,8 @@ from typing import IO, Any
 
 import zmq
 
-from cpq import __version__, protocol, security, timings
+from cpq import __version__, protocol, security, snapshot, timings
+from cpq.liveness import BusyWatch
 from cpq.protocol import PoolSpec, RankError, RankResult, TaskResult
 from cpq.scheduler import Queues, Resources
 from cpq.supervisor import GroupProcess
@@ -93,6 +94,13 @@ class Client:
     #: too long) or never knew (it outlived a broker restart) hears nothing, so it reports
     #: BrokerUnavailable instead of waiting forever for tasks this broker does not have.
     greeted: bool = False
+    busy_watch: BusyWatch = field(default_factory=BusyWatch)
+
+    def local_pid(self) -> int | None:
+        """The client's pid if it runs on this node (its process can be looked at)."""
+        pid = self.info.get("pid")
+        same_node = self.info.get("host") == socket.gethostname()
+        return pid if same_node and isinstance(pid, int) and pid > 0 else None
 
 
 @dataclass
@@ -133,6 +141,7 @@ class Rank:
     pid: int
     last_seen: float = field(default_factory=time.monotonic)
     ready: bool = False
+    busy_watch: BusyWatch = field(default_factory=BusyWatch)
 
 
 @dataclass
@@ -172,6 +181,7 @@ class Totals:
     malformed: int = 0
     groups_recycled: int = 0
     timings_write_errors: int = 0
+    busy_silences: int = 0  # ranks silent for a while but computing (GIL held): not dead
 
 
 # --------------------------------------------------------------------------- broker
@@ -939,7 +949,9 @@ class Broker:
             self._send_heartbeats()
         silence = self.config.heartbeat_s * self.config.liveness
         for client in list(self.clients.values()):
-            if now - client.last_seen > silence:
+            peer = f"client {client.info.get('name') or client.identity.hex()}"
+            pid = client.local_pid()
+            if self._silent_for(peer, client.busy_watch, client.last_seen, pid, now) > silence:
                 self._drop_client(client, f"silent for {now - client.last_seen:.1f}s")
         for group in list(self.groups.values()):
             self._tick_group(group, now, silence)
@@ -964,8 +976,13 @@ class Broker:
         if code is not None:
             self._group_failed(group, f"torchrun exited with status {code} (a rank died?)")
             return
+        # A rank with work is watched for CPU progress; its deadline (or the start time-out)
+        # bounds it. An idle rank runs no user code: silence alone counts.
+        working = group.task is not None or group.state == "starting"
         for rank in group.ranks.values():
-            if now - rank.last_seen > silence:
+            pid = rank.pid if working else None
+            peer = f"rank {rank.rank} of group {group.id}"
+            if self._silent_for(peer, rank.busy_watch, rank.last_seen, pid, now) > silence:
                 self._group_failed(
                     group, f"rank {rank.rank} stopped heartbeating ({now - rank.last_seen:.1f}s)"
                 )
@@ -983,6 +1000,23 @@ class Broker:
             self._collect_stacks(task, "deadline")
         elif task.grace_until is not None and now >= task.grace_until:
             self._collect_stacks(task, "peer_failed")
+
+    def _silent_for(
+        self, peer: str, watch: BusyWatch, last_seen: float, pid: int | None, now: float
+    ) -> float:
+        """How long a peer has shown no sign of life (see :mod:`cpq.liveness`): ``pid`` is
+        the process to watch for CPU progress once it is quiet, or None for silence alone."""
+        was_busy = watch.busy
+        quiet = watch.quiet_for(now, last_seen, pid, self.config.heartbeat_s * 1.5)
+        if watch.busy and not was_busy:
+            self.totals.busy_silences += 1
+            log.warning(
+                "%s silent for %.1fs but computing (holding the GIL in native code?): "
+                "busy, not dead",
+                peer,
+                now - last_seen,
+            )
+        return quiet
 
     def _send_heartbeats(self) -> None:
         for identity, client in list(self.clients.items()):
@@ -1044,107 +1078,10 @@ class Broker:
     # ---- status
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "endpoint": self.config.endpoint,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "version": __version__,
-            "protocol": protocol.PROTOCOL_VERSION,
-            "started_at": self.started_at,
-            "uptime_s": time.time() - self.started_at,
-            "gpus": self.config.gpus,
-            "gpus_free": self.resources.free_gpus(),
-            "max_ranks": self.config.max_ranks,
-            "heartbeat_s": self.config.heartbeat_s,
-            "liveness": self.config.liveness,
-            "log_dir": str(self.config.log_dir),
-            "draining": self.draining,
-            "default_timeout_s": self.config.default_timeout_s,
-            "max_tasks_per_group": self.config.max_tasks_per_group,
-            "max_rss_growth_mb": self.config.max_rss_growth_mb,
-            "timings_file": str(self.config.timings_file or ""),
-            "adaptive_timeout": self.config.adaptive_timeout,
-            "adaptive_k": self.config.adaptive_k,
-            "adaptive_floor_s": self.config.adaptive_floor_s,
-            "history_tests": len(self.history.slowest),
-        }
+        return snapshot.describe(self)
 
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
-        pools = []
-        for group in self.groups.values():
-            task = group.task
-            ws = group.spec.world_size
-            pools.append(
-                {
-                    "id": group.id,
-                    "spec": group.spec.label(),
-                    "world_size": group.spec.world_size,
-                    "backend": self.resources.backend_for(group.spec),
-                    "env": dict(group.spec.env),
-                    "gpus": group.process.gpus,
-                    "state": group.state,
-                    "pid": group.process.pid,
-                    "rank_pids": sorted(group.process.rank_pids),
-                    "uptime_s": now - group.started_at,
-                    "ready_after_s": group.ready_after_s,
-                    "tasks_done": group.tasks_done,
-                    "rss_mb": [group.rss_mb.get(r, 0.0) for r in range(group.spec.world_size)],
-                    "last_heartbeat_s": max(
-                        (now - r.last_seen for r in group.ranks.values()), default=None
-                    ),
-                    "task": None
-                    if task is None
-                    else {
-                        "target": task.submit.target,
-                        "test_id": task.submit.test_id,
-                        "elapsed_s": now - task.started_at,
-                        "deadline_s": task.timeout_s,
-                        "deadline_note": task.deadline_note,
-                        "attempt": task.attempts,
-                    },
-                    "stop_reason": group.stop_reason,
-                    "python": group.spec.python,
-                    "roots": group.spec.roots,
-                    "cuda_mb": [group.cuda_mb.get(r, 0.0) for r in range(ws)],
-                    "cuda_reserved_mb": [group.cuda_reserved_mb.get(r, 0.0) for r in range(ws)],
-                    "rss_growth_mb": [
-                        group.rss_mb[r] - group.rss_ready_mb[r]
-                        if group.rss_ready_mb.get(r) and r in group.rss_mb
-                        else 0.0
-                        for r in range(ws)
-                    ],
-                }
-            )
-        queue = [
-            {
-                "spec": spec.label(),
-                "world_size": spec.world_size,
-                "depth": self.queues.depth(spec),
-                "oldest_wait_s": now - self.queues.by_spec[spec].oldest(),
-            }
-            for spec in self.queues.waiting_specs()
-        ]
-        clients = [
-            {
-                "id": c.identity.hex(),
-                "host": c.info.get("host", ""),
-                "pid": c.info.get("pid"),
-                "name": c.info.get("name", ""),
-                "xdist_worker": c.info.get("xdist_worker", ""),
-                "in_flight": len(c.in_flight),
-                "submitted": c.submitted,
-                "last_seen_s": now - c.last_seen,
-            }
-            for c in self.clients.values()
-        ]
-        return {
-            "broker": self.describe(),
-            "pools": pools,
-            "queue": queue,
-            "clients": clients,
-            "totals": vars(self.totals).copy(),
-        }
+        return snapshot.status(self)
 
 
 # --------------------------------------------------------------------------- running

@@ -352,7 +352,9 @@ class Client:
                     last_sent = now
                 # Before the broker's welcome, the connect time-out is what counts.
                 silence_limit = self.heartbeat_s * self.liveness  # the welcome may lower it
-                if self.broker and self._failure is None and now - last_heard > silence_limit:
+                silent = now - last_heard > silence_limit
+                # Frames that arrived while this thread waited for the GIL are signs of life.
+                if self.broker and self._failure is None and silent and not dealer.poll(0):
                     self._fail_all(
                         BrokerUnavailable(
                             f"the cpq broker at {self.endpoint} stopped answering "

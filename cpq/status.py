@@ -251,6 +251,11 @@ def render_prometheus(status: dict[str, Any]) -> str:
         ("cpq_group_start_seconds_total", "group_start_s", "Seconds spent starting groups."),
         ("cpq_malformed_messages_total", "malformed", "Messages dropped as malformed."),
         (
+            "cpq_busy_silences_total",
+            "busy_silences",
+            "Ranks silent past liveness but computing (GIL held), so not declared dead.",
+        ),
+        (
             "cpq_timings_write_errors_total",
             "timings_write_errors",
             "Timing history lines that could not be written.",

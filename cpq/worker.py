@@ -124,7 +124,9 @@ class IOThread(threading.Thread):
             if now - last_sent >= cfg.heartbeat_s:
                 dealer.send(heartbeat)
                 last_sent = now
-            if now - last_heard > silence_limit:
+            # Before calling the broker lost, look for frames that arrived while this thread
+            # could not run (the task held the GIL): those are the broker's heartbeats.
+            if now - last_heard > silence_limit and not dealer.poll(0):
                 log.error("broker silent for %.1fs; exiting", now - last_heard)
                 _hard_exit(EXIT_BROKER_LOST)
 

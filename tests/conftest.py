@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,39 +22,23 @@ import pytest
 import zmq
 
 from cpq import Client
-from cpq.autostart import broker_alive
+from cpq.autostart import spawn_broker, stop_broker
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_broker(state_dir: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A real ``cpq-broker`` process on a private ipc endpoint; waits until it holds its lock."""
+    """A real ``cpq-broker`` process on a private ipc endpoint, serving when this returns."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     endpoint = f"ipc://{state_dir / 'broker.sock'}"
-    env = dict(os.environ, CPQ_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT))
-    log = open(state_dir / "broker.stdout", "ab")  # noqa: SIM115 - lives as long as the broker
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, *args],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    process = spawn_broker(
+        endpoint,
+        args,
+        env=dict(os.environ, CPQ_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT)),
+        log_path=state_dir / "broker.stdout",
         cwd=ROOT,
     )
-    deadline = time.monotonic() + 30
-    while not broker_alive(endpoint):
-        assert process.poll() is None, (state_dir / "broker.stdout").read_text()
-        assert time.monotonic() < deadline, "broker did not start"
-        time.sleep(0.02)
     return process, endpoint
-
-
-def stop_broker(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 _shared: dict[str, object] = {}

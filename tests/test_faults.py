@@ -349,6 +349,47 @@ def test_infra_fault_is_retried_once_on_a_fresh_group_and_passes(
     assert after.outcome == "passed" and after.group_id == result.group_id
 
 
+def test_rank_holding_the_gil_while_computing_is_busy_not_dead(fc: Client) -> None:
+    """A rank computing in one native call with the GIL held cannot heartbeat (its I/O
+    thread needs the GIL), yet it is healthy: the broker sees its main thread's CPU time
+    grow, and the task finishes on the same group, once, with no retry."""
+    group = Group(fc)
+    before = fc.status()["totals"]
+    future = submit(fc, "workers.faults:hold_gil", {"seconds": SILENCE * 2.5}, timeout=60)
+    result = future.result(timeout=120)
+    assert result.outcome == "passed", explain(result)
+    held = result.ranks[1].value["longest_gil_gap_s"]
+    assert held > SILENCE + 2 * HEARTBEAT, f"the GIL was held for only {held:.1f}s"
+    assert result.attempts == 1 and result.notes == [], result.notes
+    assert result.group_id == group.id
+    totals = fc.status()["totals"]
+    assert totals["groups_started"] == before["groups_started"]
+    assert totals["busy_silences"] == before["busy_silences"] + 1
+
+
+def test_client_holding_the_gil_while_computing_keeps_its_tasks(
+    fault_broker: tuple[str, Path], fc: Client
+) -> None:
+    """The same for a client: a pytest process importing a heavy extension cannot
+    heartbeat, but it is computing, so the broker keeps it and its task's verdict arrives."""
+    from workers.faults import hold_gil_for
+
+    Group(fc)  # the pool is warm, so the task runs (and finishes) while this process is busy
+    endpoint, _ = fault_broker
+    with Client(endpoint, name="gil-holder") as client:
+        before = client.status()["totals"]
+        # Still running when this process's silence passes the limit: a dropped client's
+        # running task would finish into the void.
+        future = submit(client, "workers.collectives:sleep", {"seconds": SILENCE * 3.5})
+        held = hold_gil_for(SILENCE * 2.5)  # this process: its clients' I/O threads stall
+        assert held > SILENCE + 2 * HEARTBEAT, f"the GIL was held for only {held:.1f}s"
+        result = future.result(timeout=60)
+        assert result.outcome == "passed", explain(result)
+        status = client.status()
+    assert status["totals"]["busy_silences"] > before["busy_silences"]
+    assert {"gil-holder", "test_faults"} <= {c["name"] for c in status["clients"]}
+
+
 def test_failure_with_a_stuck_peer_recycles_the_group(fc: Client) -> None:
     """(The verdict's details are test_core's.) Here: within 10 s, the stuck group is
     killed, not reused, and the next task passes on a fresh one; no retry."""

@@ -62,7 +62,7 @@ CLIENT_KEYS = {
 TOTALS_KEYS = {
     "submitted", "passed", "failed", "skipped", "errors", "retries", "rejected",
     "groups_started", "groups_failed", "group_start_s", "malformed", "groups_recycled",
-    "timings_write_errors",
+    "timings_write_errors", "busy_silences",
 }  # fmt: skip
 
 

@@ -79,7 +79,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from private_broker import PrivateBroker
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "workers.cp_attention:run_cp_attention"
@@ -489,62 +492,6 @@ def test_cp_attention(index):
 '''
 
 
-class Broker:
-    """A private ``python -m cpq.cli broker`` on its own state dir and ipc endpoint."""
-
-    def __init__(self, work: Path, logs: Path, name: str, gpus: str, env: dict[str, str]):
-        self.state = work / f"state-{name}"
-        self.state.mkdir(mode=0o700)
-        self.endpoint = f"ipc://{self.state / 'broker.sock'}"
-        self.env = dict(env, CPQ_STATE_DIR=str(self.state), CPQ_ENDPOINT=self.endpoint)
-        self.log_dir = logs / f"broker-{name}"
-        self.log_dir.mkdir()
-        cmd = [
-            sys.executable,
-            "-m",
-            "cpq.cli",
-            "broker",
-            "--endpoint",
-            self.endpoint,
-            "--gpus",
-            gpus,
-            "--log-dir",
-            str(self.log_dir),
-        ]
-        start = time.perf_counter()
-        self._out = open(self.log_dir / "broker.stdout", "wb")  # noqa: SIM115 - lives with it
-        self.process = subprocess.Popen(
-            cmd, env=self.env, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT
-        )
-        from cpq.autostart import broker_alive
-
-        deadline = time.monotonic() + 60
-        while not broker_alive(self.endpoint):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"broker did not start; see {self.log_dir / 'broker.stdout'}")
-            time.sleep(0.01)
-        self.start_s = time.perf_counter() - start
-
-    def status(self) -> tuple[float, dict[str, Any]]:
-        """(wall-clock time of the answer, ``cpq-status --json`` object)."""
-        from cpq import Client
-
-        with Client(self.endpoint, name="bench_cp") as client:
-            status = client.status()
-        return time.time(), status
-
-    def stop(self) -> None:
-        """SIGTERM (the broker kills its groups as whole sessions), then SIGKILL if needed."""
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._out.close()
-
-
 STDIO_TEST_FILE = '''\
 """The same suite the way Transformer Engine drives its stdio-fed pool: from pytest."""
 
@@ -649,7 +596,13 @@ def mode_pytest(
     env = _base_env()
     if not autoload:
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    broker = Broker(work, logs, tag, gpus, env) if mode != 6 else None
+    from private_broker import PrivateBroker  # imports cpq: not at the top (one_case_main)
+
+    broker = (
+        PrivateBroker(work / f"state-{tag}", logs / f"broker-{tag}", gpus, env)
+        if mode != 6
+        else None
+    )
     status_time, status, profile = 0.0, None, {}
     args = _pytest_args(mode, autoload)
     cmd = [sys.executable, "-m", "pytest", *args, "test_bench_cp.py"]
@@ -661,7 +614,8 @@ def mode_pytest(
         )
         after = _loadavg()
         if broker is not None:
-            status_time, status = broker.status()
+            status = broker.status()
+            status_time = time.time()
             roots = next(
                 (e["roots"] for e in _read_jsonl(events) if e["kind"] == "session_finish"), None
             )
@@ -680,7 +634,7 @@ def mode_pytest(
     return result
 
 
-def _probe_cpq(broker: Broker, ws: int, count: int, roots: list[str]) -> dict[str, Any]:
+def _probe_cpq(broker: PrivateBroker, ws: int, count: int, roots: list[str]) -> dict[str, Any]:
     """Pure cpq dispatch cost, pytest out of the picture: a no-op task (``os:getpid``)
     through ``Client.submit`` on the session's warm group (same spec: same roots)."""
     from cpq import Client

@@ -317,49 +317,12 @@ def plugin_args() -> list[str]:
     return [] if installed else ["-p", "cpq.plugin"]
 
 
-class Broker:
-    """A private ``python -m cpq.cli broker`` with its own state dir and ipc endpoint."""
+def private_broker(work: Path, name: str, gpus: str, env: dict[str, str]) -> Any:
+    """A :class:`PrivateBroker` (imported here: the --driver mode must not import cpq)."""
+    from private_broker import PrivateBroker
 
-    def __init__(self, work: Path, name: str, gpus: str, env: dict[str, str]) -> None:
-        self.state = Path(tempfile.mkdtemp(prefix=f"cpq-{name}-", dir=work))
-        self.state.chmod(0o700)
-        self.endpoint = f"ipc://{self.state / 'broker.sock'}"
-        self.env = dict(env, CPQ_STATE_DIR=str(self.state), CPQ_ENDPOINT=self.endpoint)
-        self.log_dir = work / "logs" / f"broker-{name}"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", self.endpoint]
-        cmd += ["--gpus", gpus, "--log-dir", str(self.log_dir)]
-        start = time.perf_counter()
-        self._out = open(self.log_dir / "broker.stdout", "wb")  # noqa: SIM115 - lives with it
-        self.process = subprocess.Popen(
-            cmd, env=self.env, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT
-        )
-        from cpq.autostart import broker_alive
-
-        deadline = time.monotonic() + 60
-        while not broker_alive(self.endpoint):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"broker did not start:\n{tail(self.log_dir / 'broker.stdout')}")
-            time.sleep(0.02)
-        self.start_s = time.perf_counter() - start
-
-    def status(self) -> dict[str, Any]:
-        from cpq import Client
-
-        with Client(self.endpoint, name="bench_te-status") as client:
-            return client.status()
-
-    def stop(self) -> None:
-        """SIGTERM (the broker kills its groups as whole sessions), then SIGKILL."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._out.close()
+    state = Path(tempfile.mkdtemp(prefix=f"cpq-{name}-", dir=work))
+    return PrivateBroker(state, work / "logs" / f"broker-{name}", gpus, env)
 
 
 def pool_summary(status: dict[str, Any]) -> list[dict[str, Any]]:
@@ -425,7 +388,7 @@ def phase_reset(
     """Case 0 first on a fresh group, ``others`` cases, case 0 again: same max errors?"""
     from cpq import Client
 
-    broker = Broker(work, "reset", profile.broker_gpus, env)
+    broker = private_broker(work, "reset", profile.broker_gpus, env)
     rows: list[dict[str, Any]] = []
     out: dict[str, Any] = {"broker_start_s": round(broker.start_s, 3), "ok": False}
     t_phase = time.perf_counter()
@@ -532,7 +495,7 @@ def phase_cpq(
 ) -> dict[str, Any]:
     """The whole matrix as one pytest session on a fresh broker."""
     logs = work / "logs"
-    broker = Broker(work, "cpq", profile.broker_gpus, env)
+    broker = private_broker(work, "cpq", profile.broker_gpus, env)
     junit = logs / "cpq_junit.xml"
     pytest_log = logs / "cpq_pytest.log"
     cmd = [sys.executable, "-m", "pytest", *plugin_args(), "-p", "no:cacheprovider", "-q"]

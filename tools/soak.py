@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpq import Client, TaskResult, protocol  # noqa: E402
-from cpq.autostart import broker_alive  # noqa: E402
+from cpq.autostart import spawn_broker, stop_broker  # noqa: E402
 
 WS = 2
 ECHO = "workers.collectives:echo"
@@ -245,26 +244,9 @@ def start_broker(state: Path, max_ranks: int) -> tuple[subprocess.Popen[bytes], 
     endpoint = f"ipc://{state / 'broker.sock'}"
     env = dict(os.environ, CPQ_STATE_DIR=str(state), PYTHONPATH=str(ROOT))
     env.pop("CPQ_ENDPOINT", None)
-    log = open(state / "broker.stdout", "wb")  # noqa: SIM115 - as long as the broker
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, "--gpus", "none",
-         "--max-ranks", str(max_ranks), "--heartbeat", str(HEARTBEAT),
-         "--liveness", str(LIVENESS), "--max-rss-growth", "256"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    old = os.environ.get("CPQ_STATE_DIR")
-    os.environ["CPQ_STATE_DIR"] = str(state)
-    try:
-        while not broker_alive(endpoint):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((state / "broker.stdout").read_text()[-3000:])
-            time.sleep(0.02)
-    finally:
-        if old is None:
-            os.environ.pop("CPQ_STATE_DIR", None)
-        else:
-            os.environ["CPQ_STATE_DIR"] = old
+    args = ["--gpus", "none", "--max-ranks", str(max_ranks), "--heartbeat", str(HEARTBEAT),
+            "--liveness", str(LIVENESS), "--max-rss-growth", "256"]  # fmt: skip
+    process = spawn_broker(endpoint, args, env=env, log_path=state / "broker.stdout", cwd=ROOT)
     return process, endpoint
 
 
@@ -392,12 +374,7 @@ def soak(
             status = monitor.status()
             report.broker_totals = status["totals"]
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_broker(process)
     report.seconds = time.monotonic() - started
     # Orphans: give the process tree a moment to finish dying, then look.
     deadline = time.monotonic() + 15

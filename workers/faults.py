@@ -135,6 +135,49 @@ def spin_in_python(
     return _wait_for_peers()
 
 
+def hold_gil_for(seconds: float) -> float:
+    """Compute for ``seconds`` without ever letting another thread of the process run, as a
+    long C-extension call or a big extension import does (it holds the GIL), so the
+    process's heartbeats stop. Done in Python with a switch interval longer than the hold:
+    the GIL is only handed over when a waiting thread has asked for a whole interval.
+
+    Returns how long a watcher thread really could not run, so a test can show the silence
+    lasted past the liveness limit.
+    """
+    longest = 0.0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal longest
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            longest, last = max(longest, now - last), now
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.05)  # let the watcher start ticking
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds * 10)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # hold_gil: busy here, GIL held
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    done.set()
+    watcher.join()
+    return longest
+
+
+def hold_gil(rank: int = 1, seconds: float = 4.0) -> dict[str, float]:
+    """Rank ``rank`` holds the GIL computing for about ``seconds`` (:func:`hold_gil_for`)
+    while the others wait in a barrier: silent, yet healthy. Returns the measured hold."""
+    held = hold_gil_for(seconds) if dist.get_rank() == rank else 0.0
+    return {**_wait_for_peers(), "longest_gil_gap_s": held}
+
+
 def raise_while_peer_waits(rank: int = 1) -> None:
     """Rank ``rank`` fails an assertion; the others block in an ``all_reduce`` it never joins."""
     if dist.get_rank() == rank:
