@@ -11,13 +11,18 @@ started broker exits by itself after ``idle_exit_s`` without clients or tasks.
 from __future__ import annotations
 
 import fcntl
+import functools
+import hashlib
+import logging
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cpq import paths
+from cpq import __version__, paths
+
+log = logging.getLogger("cpq.autostart")
 
 DEFAULT_IDLE_EXIT_S = 600.0
 
@@ -38,16 +43,31 @@ def broker_alive(endpoint: str) -> bool:
         return False
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """Which cpq code this process runs: a hash of the package's source files' names, sizes
+    and modification times. It tells a background broker started before ``pip install -U
+    cpq`` (or before an edit of an editable install) from one running this code."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        info = path.stat()
+        digest.update(f"{path.name}:{info.st_size}:{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def ensure_broker(
     endpoint: str, idle_exit_s: float = DEFAULT_IDLE_EXIT_S, extra_args: list[str] | None = None
 ) -> bool:
-    """Start a broker for ``endpoint`` unless one runs; True if this call started it."""
-    if broker_alive(endpoint):
-        return False
+    """Start a broker for ``endpoint`` unless one runs; True if this call started it.
+
+    A running background broker of other cpq code is replaced when nothing uses it (see
+    :func:`replace_if_stale`), so an upgrade takes effect at the next test session instead
+    of after the old broker's idle exit.
+    """
     state = paths.state_dir()
     with open(state / "autostart.lock", "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
-        if broker_alive(endpoint):
+        if broker_alive(endpoint) and not replace_if_stale(endpoint):
             return False
         log_dir = paths.ensure_private_dir(state / "logs")
         spawn_broker(
@@ -58,6 +78,57 @@ def ensure_broker(
             detach=True,
         )
         return True
+
+
+def replace_if_stale(endpoint: str, wait_s: float = 30.0) -> bool:
+    """Stop the broker at ``endpoint`` if it runs other cpq code, was started to exit when
+    idle (``--idle-exit``, as background brokers are) and nothing uses it now; True if it
+    is gone. A broker started by hand, or one with clients or tasks, is left alone with a
+    warning: stopping it would take warm groups or verdicts from someone else.
+    """
+    from cpq.client import BrokerUnavailable, Client
+
+    try:
+        with Client(endpoint, name=_CHECKER, connect_timeout_s=10) as client:
+            broker = client.broker
+            if broker.get("code", code_fingerprint()) == code_fingerprint():
+                return False
+            status = client.status()
+            others = [c for c in status["clients"] if c["name"] != _CHECKER]
+            busy = status["queue"] or others or any(p["task"] for p in status["pools"])
+            if not broker.get("idle_exit_s") or busy:
+                log.warning(
+                    "the broker at %s (pid %s, cpq %s) runs other cpq code than this process "
+                    "(%s); it is %s, so it stays: stop it (cpq stop) to pick up this version",
+                    endpoint,
+                    broker.get("pid"),
+                    broker.get("version"),
+                    __version__,
+                    "in use" if busy else "not a background broker",
+                )
+                return False
+            log.warning(
+                "replacing the idle background broker at %s (pid %s, cpq %s): it runs other "
+                "cpq code than this process (%s)",
+                endpoint,
+                broker.get("pid"),
+                broker.get("version"),
+                __version__,
+            )
+            client.stop()
+    except BrokerUnavailable as error:
+        log.warning("could not check the broker at %s: %s", endpoint, error)
+        return False
+    deadline = time.monotonic() + wait_s
+    while broker_alive(endpoint):  # it kills its groups, then lets go of the endpoint lock
+        if time.monotonic() > deadline:
+            log.warning("the stale broker at %s did not stop within %gs", endpoint, wait_s)
+            return False
+        time.sleep(0.02)
+    return True
+
+
+_CHECKER = "cpq-autostart-check"
 
 
 class BrokerStartError(RuntimeError):
@@ -134,7 +205,9 @@ __all__ = [
     "DEFAULT_IDLE_EXIT_S",
     "BrokerStartError",
     "broker_alive",
+    "code_fingerprint",
     "ensure_broker",
+    "replace_if_stale",
     "spawn_broker",
     "stop_broker",
 ]

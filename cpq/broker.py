@@ -181,7 +181,7 @@ class Totals:
     malformed: int = 0
     groups_recycled: int = 0
     timings_write_errors: int = 0
-    busy_silences: int = 0  # ranks silent for a while but computing (GIL held): not dead
+    busy_silences: int = 0  # ranks or clients silent past liveness but computing: not dead
 
 
 # --------------------------------------------------------------------------- broker

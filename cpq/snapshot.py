@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cpq import __version__, protocol
+from cpq.autostart import code_fingerprint
 
 if TYPE_CHECKING:
     from cpq.broker import Broker, Group
@@ -25,6 +26,7 @@ def describe(broker: Broker) -> dict[str, Any]:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "version": __version__,
+        "code": code_fingerprint(),  # which cpq code it runs (autostart replaces stale ones)
         "protocol": protocol.PROTOCOL_VERSION,
         "started_at": broker.started_at,
         "uptime_s": time.time() - broker.started_at,
@@ -35,6 +37,7 @@ def describe(broker: Broker) -> dict[str, Any]:
         "liveness": broker.config.liveness,
         "log_dir": str(broker.config.log_dir),
         "draining": broker.draining,
+        "idle_exit_s": broker.config.idle_exit_s,
         "default_timeout_s": broker.config.default_timeout_s,
         "max_tasks_per_group": broker.config.max_tasks_per_group,
         "max_rss_growth_mb": broker.config.max_rss_growth_mb,

@@ -44,8 +44,8 @@ PRIVATE = {"world_size": 1, "backend": "gloo", "roots": [str(ROOT)]}
 # The --json schema: these key sets are the contract (DESIGN.md names the top level); a
 # change here is a change for every consumer of the JSON, so it must be deliberate.
 BROKER_KEYS = {
-    "endpoint", "pid", "host", "version", "protocol", "started_at", "uptime_s", "gpus",
-    "gpus_free", "max_ranks", "heartbeat_s", "liveness", "log_dir", "draining",
+    "endpoint", "pid", "host", "version", "code", "protocol", "started_at", "uptime_s", "gpus",
+    "gpus_free", "max_ranks", "heartbeat_s", "liveness", "log_dir", "draining", "idle_exit_s",
     "default_timeout_s", "max_tasks_per_group", "max_rss_growth_mb", "timings_file",
     "adaptive_timeout", "adaptive_k", "adaptive_floor_s", "history_tests",
 }  # fmt: skip
