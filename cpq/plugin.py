@@ -325,7 +325,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from cpq.autostart import broker_alive
+    from cpq import __version__
+    from cpq.autostart import broker_alive, code_fingerprint
 
     session = config.stash[SESSION_KEY]
     try:
@@ -344,10 +345,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     broker = status["broker"]
     groups = Counter(f"{p['spec']}[{p['state']}]" for p in status["pools"])
     listing = ", ".join(f"{k}x{v}" for k, v in sorted(groups.items())) or "none yet"
-    return [
+    lines = [
         f"cpq: broker {endpoint} pid {broker['pid']} GPUs {','.join(broker['gpus']) or 'none'}; "
         f"groups: {listing}"
     ]
+    if broker.get("code", code_fingerprint()) != code_fingerprint():
+        lines.append(
+            f"cpq: that broker runs other cpq code ({broker.get('version')}) than this session "
+            f"({__version__}); `cpq stop` it to use this version"
+        )
+    return lines
 
 
 # --------------------------------------------------------------------------- running

@@ -27,6 +27,8 @@ from cpq.autostart import (
     stop_broker,
 )
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture
 def old_cpq(tmp_path: Path) -> Path:
@@ -98,5 +100,20 @@ def test_broker_of_other_code_stays_when_someone_may_need_it(
             assert ensure_broker(endpoint) is False
         assert f"it is {why}, so it stays" in caplog.text
         assert old.poll() is None
+    finally:
+        stop_broker(old)
+
+
+def test_session_header_says_the_broker_runs_other_code(
+    pytester: pytest.Pytester, state: Path, old_cpq: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old, endpoint = start_old_broker(state, old_cpq)  # started by hand: it stays
+    try:
+        monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
+        monkeypatch.setenv("PYTHONPATH", str(ROOT))
+        pytester.makepyfile("def test_nothing():\n    pass\n")
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["cpq: that broker runs other cpq code *`cpq stop` it*"])
     finally:
         stop_broker(old)
