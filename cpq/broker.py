@@ -33,12 +33,14 @@ from typing import IO, Any
 import zmq
 
 from cpq import __version__, protocol, security, snapshot, timings
-from cpq.liveness import BusyWatch
+from cpq.liveness import BusyWatch, pid_namespace
 from cpq.protocol import PoolSpec, RankError, RankResult, TaskResult
 from cpq.scheduler import Queues, Resources
 from cpq.supervisor import GroupProcess
 
 log = logging.getLogger("cpq.broker")
+
+_PIDNS = pid_namespace()
 
 TICK_S = 0.05
 
@@ -97,10 +99,12 @@ class Client:
     busy_watch: BusyWatch = field(default_factory=BusyWatch)
 
     def local_pid(self) -> int | None:
-        """The client's pid if it runs on this node (its process can be looked at)."""
+        """The client's pid if this broker can look at its process: same host and same pid
+        namespace (a client in another container has its own pids)."""
         pid = self.info.get("pid")
         same_node = self.info.get("host") == socket.gethostname()
-        return pid if same_node and isinstance(pid, int) and pid > 0 else None
+        same_pids = self.info.get("pidns") is not None and self.info["pidns"] == _PIDNS
+        return pid if same_node and same_pids and isinstance(pid, int) and pid > 0 else None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from cpq import paths, protocol
+from cpq.liveness import pid_namespace
 from cpq.protocol import PoolSpec, TaskResult
 
 log = logging.getLogger("cpq.client")
@@ -136,6 +137,7 @@ class Client:
         self._info = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "pidns": pid_namespace(),  # lets the broker look at this process
             "name": name or os.path.basename(sys.argv[0] or "python"),
             "xdist_worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
             **(info or {}),
