@@ -417,6 +417,20 @@ def test_timings_file_records_every_finished_task(
     assert pool["cuda_mb"] == [0.0, 0.0]  # gloo on CPU
 
 
+@pytest.fixture
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """Let the children of this test take SIGINT as a person's Ctrl-C.
+
+    A shell starts background jobs (``cmd &``) with SIGINT ignored, and an ignored signal
+    stays ignored across exec: a suite started that way would spawn children that cannot
+    be interrupted. A handled signal is reset to the default at exec, so handle it here.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_reaches_children")
 def test_watch_redraws_in_place(broker: str) -> None:
     """On a terminal --watch overwrites the previous screen; piped, it prints frames."""
     leader, follower = pty.openpty()
@@ -472,7 +486,7 @@ def test_watch_redraws_in_place(broker: str) -> None:
     assert piped.stdout is not None
     lines = [piped.stdout.readline() for _ in range(2)]
     piped.send_signal(signal.SIGINT)
-    piped.wait(timeout=10)
+    assert piped.wait(timeout=10) == 0
     assert all(json.loads(line)["broker"]["endpoint"] == broker for line in lines)
 
 
