@@ -350,9 +350,9 @@ def test_infra_fault_is_retried_once_on_a_fresh_group_and_passes(
 
 
 def test_rank_holding_the_gil_while_computing_is_busy_not_dead(fc: Client) -> None:
-    """A rank computing in one native call with the GIL held cannot heartbeat (its I/O
-    thread needs the GIL), yet it is healthy: the broker sees its main thread's CPU time
-    grow, and the task finishes on the same group, once, with no retry."""
+    """A rank computing with the GIL held (as in one long native call) cannot heartbeat:
+    its I/O thread needs the GIL. Yet it is healthy: the broker sees its main thread's CPU
+    time grow, and the task finishes on the same group, once, with no retry."""
     group = Group(fc)
     before = fc.status()["totals"]
     future = submit(fc, "workers.faults:hold_gil", {"seconds": SILENCE * 2.5}, timeout=60)
