@@ -43,6 +43,16 @@ def broker_alive(endpoint: str) -> bool:
         return False
 
 
+def _lock_names_this_code(endpoint: str) -> bool:
+    """The serving broker wrote its pid and code fingerprint into the endpoint's lock file;
+    True unless it names other code (a broker too old to write one counts as this code)."""
+    try:
+        lines = paths.lock_path(endpoint).read_text().split()
+    except OSError:
+        return True
+    return len(lines) < 2 or lines[1] == code_fingerprint()
+
+
 @functools.cache
 def code_fingerprint() -> str:
     """Which cpq code this process runs: a hash of the package's source files' names, sizes
@@ -64,6 +74,8 @@ def ensure_broker(
     :func:`replace_if_stale`), so an upgrade takes effect at the next test session instead
     of after the old broker's idle exit.
     """
+    if broker_alive(endpoint) and _lock_names_this_code(endpoint):
+        return False  # the usual case: no lock taken, no connection made
     state = paths.state_dir()
     with open(state / "autostart.lock", "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
@@ -148,8 +160,9 @@ def spawn_broker(
 ) -> subprocess.Popen[bytes]:
     """Start ``python -m cpq.cli broker --endpoint ENDPOINT *ARGS`` and wait until it serves.
 
-    "Serves" is :func:`broker_alive`: the broker takes the endpoint's lock only after its
-    sockets are bound, so from then on a client that connects gets answers. ``detach``
+    "Serves" is :func:`broker_alive`: the broker holds the endpoint's lock, which it takes
+    just before binding; a client connecting in between is held by ZeroMQ until the bind,
+    so from then on a client gets answers. ``detach``
     puts it in a session of its own (the autostarted broker outlives the pytest session
     that started it). The one way cpq, its tests and its tools start a broker process.
     """

@@ -33,6 +33,7 @@ from typing import IO, Any
 import zmq
 
 from cpq import __version__, protocol, security, snapshot, timings
+from cpq.autostart import code_fingerprint
 from cpq.liveness import BusyWatch, pid_namespace
 from cpq.protocol import PoolSpec, RankError, RankResult, TaskResult
 from cpq.scheduler import Queues, Resources
@@ -40,7 +41,8 @@ from cpq.supervisor import GroupProcess
 
 log = logging.getLogger("cpq.broker")
 
-_PIDNS = pid_namespace()
+# Which clients' processes this broker can look at (see Client.local_pid).
+_HOST, _PIDNS = socket.gethostname(), pid_namespace()
 
 TICK_S = 0.05
 
@@ -102,7 +104,7 @@ class Client:
         """The client's pid if this broker can look at its process: same host and same pid
         namespace (a client in another container has its own pids)."""
         pid = self.info.get("pid")
-        same_node = self.info.get("host") == socket.gethostname()
+        same_node = self.info.get("host") == _HOST
         same_pids = self.info.get("pidns") is not None and self.info["pidns"] == _PIDNS
         return pid if same_node and same_pids and isinstance(pid, int) and pid > 0 else None
 
@@ -238,7 +240,7 @@ class Broker:
             ) from None
         self._lock_file.seek(0)
         self._lock_file.truncate()
-        self._lock_file.write(f"{os.getpid()}\n")
+        self._lock_file.write(f"{os.getpid()}\n{code_fingerprint()}\n")  # autostart reads it
         self._lock_file.flush()
         self._remove_stale_backend_sockets()
         self.context: zmq.Context[Any] = zmq.Context()
@@ -953,9 +955,7 @@ class Broker:
             self._send_heartbeats()
         silence = self.config.heartbeat_s * self.config.liveness
         for client in list(self.clients.values()):
-            peer = f"client {client.info.get('name') or client.identity.hex()}"
-            pid = client.local_pid()
-            if self._silent_for(peer, client.busy_watch, client.last_seen, pid, now) > silence:
+            if self._silent_for(client, client.local_pid(), now) > silence:
                 self._drop_client(client, f"silent for {now - client.last_seen:.1f}s")
         for group in list(self.groups.values()):
             self._tick_group(group, now, silence)
@@ -984,9 +984,7 @@ class Broker:
         # bounds it. An idle rank runs no user code: silence alone counts.
         working = group.task is not None or group.state == "starting"
         for rank in group.ranks.values():
-            pid = rank.pid if working else None
-            peer = f"rank {rank.rank} of group {group.id}"
-            if self._silent_for(peer, rank.busy_watch, rank.last_seen, pid, now) > silence:
+            if self._silent_for(rank, rank.pid if working else None, now, group) > silence:
                 self._group_failed(
                     group, f"rank {rank.rank} stopped heartbeating ({now - rank.last_seen:.1f}s)"
                 )
@@ -1006,19 +1004,24 @@ class Broker:
             self._collect_stacks(task, "peer_failed")
 
     def _silent_for(
-        self, peer: str, watch: BusyWatch, last_seen: float, pid: int | None, now: float
+        self, peer: Client | Rank, pid: int | None, now: float, group: Group | None = None
     ) -> float:
         """How long a peer has shown no sign of life (see :mod:`cpq.liveness`): ``pid`` is
         the process to watch for CPU progress once it is quiet, or None for silence alone."""
+        watch = peer.busy_watch
         was_busy = watch.busy
-        quiet = watch.quiet_for(now, last_seen, pid, self.config.heartbeat_s * 1.5)
+        quiet = watch.quiet_for(now, peer.last_seen, pid, self.config.heartbeat_s * 1.5)
         if watch.busy and not was_busy:
             self.totals.busy_silences += 1
+            if isinstance(peer, Client):
+                label = f"client {peer.info.get('name') or peer.identity.hex()}"
+            else:
+                label = f"rank {peer.rank} of group {group.id if group else '?'}"
             log.warning(
                 "%s silent for %.1fs but computing (holding the GIL in native code?): "
                 "busy, not dead",
-                peer,
-                now - last_seen,
+                label,
+                now - peer.last_seen,
             )
         return quiet
 

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,19 @@ def raw_dealer(broker: str) -> Iterator[zmq.Socket[Any]]:
     finally:
         sock.close(0)
         context.term()
+
+
+def wait_for_status(
+    client: Client, what: str, predicate: Callable[[dict[str, Any]], bool], within: float = 90
+) -> dict[str, Any]:
+    """Poll the broker's status until ``predicate`` holds; return that status."""
+    deadline = time.monotonic() + within
+    while True:
+        status = client.status()
+        if predicate(status):
+            return status
+        assert time.monotonic() < deadline, f"no {what} after {within:g}s: {status}"
+        time.sleep(0.05)
 
 
 def broker_reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import ROOT, start_broker, stop_broker
+from conftest import ROOT, start_broker, stop_broker, wait_for_status
 
 from cpq import BrokerUnavailable, Client, protocol
 from cpq.client import make_spec
@@ -76,16 +76,6 @@ def wait_gone(procs: list[psutil.Process], within: float) -> None:
     for proc in alive:  # never leave orphans behind, even when failing
         proc.kill()
     assert not alive, f"still running {within:g}s after their group was killed: {alive}"
-
-
-def wait_status(client: Client, what: str, predicate: Any, within: float) -> dict[str, Any]:
-    deadline = time.monotonic() + within
-    while True:
-        status = client.status()
-        if predicate(status):
-            return status
-        assert time.monotonic() < deadline, f"no {what} after {within:g}s: {status}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -214,17 +204,17 @@ def test_killed_client_loses_its_queued_tasks_and_no_one_else_does(
         def queued(status: dict[str, Any]) -> int:
             return sum(q["depth"] for q in status["queue"])
 
-        before = wait_status(
+        before = wait_for_status(
             fc,
             "busy group and 5 queued tasks",
             lambda s: queued(s) == 5 and any(p["task"] for p in s["pools"]),
             within=30,
         )["totals"]
         mine = submit(fc, "workers.collectives:echo", {"who": "survivor"})
-        wait_status(fc, "my task queued", lambda s: queued(s) == 6, within=10)
+        wait_for_status(fc, "my task queued", lambda s: queued(s) == 6, within=10)
         doomed.kill()
         killed_at = time.monotonic()
-        wait_status(
+        wait_for_status(
             fc,
             "the dead client and its queue dropped",
             lambda s: queued(s) == 1 and "doomed" not in {c["name"] for c in s["clients"]},
@@ -239,7 +229,7 @@ def test_killed_client_loses_its_queued_tasks_and_no_one_else_does(
     result = mine.result(timeout=60)
     assert result.outcome == "passed", explain(result)
     assert result.value == {"who": "survivor"} and result.group_id == group.id
-    totals = wait_status(fc, "an empty queue", lambda s: not s["queue"], within=10)["totals"]
+    totals = wait_for_status(fc, "an empty queue", lambda s: not s["queue"], within=10)["totals"]
     assert totals["passed"] - before["passed"] == 2  # the orphaned hold, and mine
     assert totals["errors"] == before["errors"]
     assert totals["groups_started"] == before["groups_started"]
@@ -450,7 +440,7 @@ def test_broker_sigkilled_mid_task_then_restarted_on_the_same_endpoint(tmp_path:
     try:
         client = Client(endpoint, name="survivor")
         held = client.submit_async(HOLD, WS, {"path": str(release)}, **POOL)
-        status = wait_status(
+        status = wait_for_status(
             client, "the task running", lambda s: any(p["task"] for p in s["pools"]), 120
         )
         (pool,) = status["pools"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import ROOT, start_broker, stop_broker
+from conftest import ROOT, start_broker, stop_broker, wait_for_status
 from prometheus_client.parser import text_string_to_metric_families
 
 from cpq import Client, timings
@@ -69,19 +69,6 @@ TOTALS_KEYS = {
 def explain(result: TaskResult) -> str:
     ranks = "; ".join(f"rank {r.rank}: {r.outcome} {r.error}" for r in result.ranks)
     return f"{result.outcome} attempts={result.attempts} {result.message!r} {result.notes} {ranks}"
-
-
-def wait_for(
-    client: Client, what: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 90
-) -> dict[str, Any]:
-    """Poll the broker's status until ``predicate`` holds; return that status."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = client.status()
-        if predicate(status):
-            return status
-        assert time.monotonic() < deadline, f"no {what} after {timeout}s: {json.dumps(status)}"
-        time.sleep(0.05)
 
 
 def cli(endpoint: str, state: Path | None, *args: str) -> subprocess.CompletedProcess[str]:
@@ -137,7 +124,7 @@ def test_status_through_a_brokers_life(
     release = tmp_path / "release"
     with Client(endpoint, name="test_status") as client:
         # -- idle: the --warm group came up without any client asking for it
-        status = wait_for(client, "idle warm group", lambda s: _states(s) == ["idle"])
+        status = wait_for_status(client, "idle warm group", lambda s: _states(s) == ["idle"])
         (pool,) = status["pools"]
         assert pool["spec"] == "ws1/gloo" and pool["roots"] == [str(ROOT)]
         assert pool["python"] == interpreter()  # the broker's own, as clients name it
@@ -152,9 +139,9 @@ def test_status_through_a_brokers_life(
         held = client.submit_async(
             HOLD, kwargs={"path": str(release)}, timeout=60, test_id="life::held", **PRIVATE
         )
-        wait_for(client, "busy group", lambda s: _states(s) == ["busy"])
+        wait_for_status(client, "busy group", lambda s: _states(s) == ["busy"])
         queued = client.submit_async(NOOP, test_id="life::queued", **PRIVATE)
-        status = wait_for(client, "a queued task", lambda s: bool(s["queue"]))
+        status = wait_for_status(client, "a queued task", lambda s: bool(s["queue"]))
         (pool,) = status["pools"]
         task = pool["task"]
         assert task["test_id"] == "life::held" and task["target"] == HOLD
@@ -177,7 +164,7 @@ def test_status_through_a_brokers_life(
         # -- a rank dies mid-task: the group is replaced and the task retried on the new one
         old = pool["id"]
         psutil.Process(pool["rank_pids"][0]).kill()
-        status = wait_for(
+        status = wait_for_status(
             client,
             "the task retried on a fresh group",
             lambda s: any(p["id"] != old and p["task"] for p in s["pools"]),
@@ -334,7 +321,7 @@ def test_adaptive_deadline_is_learned_from_history(
         slow = client.submit_async(
             HOLD, kwargs={"path": str(release)}, timeout=60, test_id="adaptive::slow", **PRIVATE
         )
-        status = wait_for(
+        status = wait_for_status(
             client,
             "the retry of the slow task",
             lambda s: any((p["task"] or {}).get("attempt") == 2 for p in s["pools"]),

@@ -71,7 +71,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -79,10 +78,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from private_broker import PrivateBroker
+from benchkit import PrivateBroker, child_env, run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "workers.cp_attention:run_cp_attention"
@@ -219,45 +217,6 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _base_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
-    """Environment for every child: the repo (and whatever PYTHONPATH already holds)."""
-    env = dict(os.environ)
-    parts = [str(ROOT), *(extra_pythonpath or [])]
-    parts += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
-    env["PYTHONUNBUFFERED"] = "1"
-    for key in ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER"):
-        env.pop(key, None)
-    return env
-
-
-def _run(
-    cmd: list[str], log: Path, env: dict[str, str], cwd: Path, timeout: float
-) -> tuple[int, float, float]:
-    """Run ``cmd`` to completion, output in ``log``; returns (rc, wall s, launch time()).
-
-    The child gets its own session so a time-out can take down everything it started.
-    """
-    with open(log, "ab") as out:
-        out.write(f"$ {shlex.join(cmd)}\n".encode())
-        out.flush()
-        launched = time.time()
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = 124
-        wall = time.perf_counter() - start
-        out.write(f"[rc {rc}, {wall:.2f} s]\n".encode())
-    return rc, wall, launched
-
-
 # --------------------------------------------------------------------------------------
 # Mode (1): torchrun per case
 # --------------------------------------------------------------------------------------
@@ -269,7 +228,7 @@ def mode_torchrun(
     """Run K of the N cases, each in its own torchrun; scale the wall to N if K < N."""
     record = work / "mode1_record.jsonl"
     record.unlink(missing_ok=True)
-    env = _base_env()
+    env = child_env()
     walls: list[float] = []
     rcs: list[int] = []
     before = _loadavg()
@@ -290,7 +249,7 @@ def mode_torchrun(
         ]
         if walls and _DEADLINE[0] - time.monotonic() < 2 * max(walls):
             break  # out of budget: scale from the cases that ran
-        rc, wall, _ = _run(cmd, logs / "mode1_torchrun.log", env, ROOT, _time_left(300))
+        rc, wall, _, _ = run_logged(cmd, logs / "mode1_torchrun.log", env, ROOT, _time_left(300))
         walls.append(wall)
         rcs.append(rc)
     k = len(walls)
@@ -338,7 +297,7 @@ def mode_stdio(
     cases_file.write_text(
         json.dumps([{"target": TARGET, "kwargs": c, "world_size": ws} for c in cases])
     )
-    env = _base_env()
+    env = child_env()
     env["STDIO_POOL_BACKEND"] = backend
     out_file = logs / f"m2ws{ws}r{run_no}_stdio.jsonl"
     cmd = [sys.executable, str(ROOT / "tools" / "stdio_pool.py"), str(cases_file)]
@@ -593,11 +552,9 @@ def mode_pytest(
     else:
         test = TEST_FILE.format(cases_name=cases_name, n=n, bodies=str(bodies), ws=ws)
     (suite / "test_bench_cp.py").write_text(test)
-    env = _base_env()
+    env = child_env()
     if not autoload:
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    from private_broker import PrivateBroker  # imports cpq: not at the top (one_case_main)
-
     broker = (
         PrivateBroker(work / f"state-{tag}", logs / f"broker-{tag}", gpus, env)
         if mode != 6
@@ -607,10 +564,10 @@ def mode_pytest(
     args = _pytest_args(mode, autoload)
     cmd = [sys.executable, "-m", "pytest", *args, "test_bench_cp.py"]
     try:
-        child_env = dict(broker.env, CPQ_AUTOSTART="0") if broker else env
+        session_env = dict(broker.env, CPQ_AUTOSTART="0") if broker else env
         before = _loadavg()
-        rc, wall, launched = _run(
-            cmd, logs / f"{tag}_pytest.log", child_env, suite, timeout=_time_left(600)
+        rc, wall, launched, _ = run_logged(
+            cmd, logs / f"{tag}_pytest.log", session_env, suite, timeout=_time_left(600)
         )
         after = _loadavg()
         if broker is not None:
@@ -1116,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
         _DEADLINE[0] = time.monotonic() + args.budget_s
     print(f"bench_cp: {n} cases of {cases_name} ({backend}); work dir {work}; logs {logs}")
     # Untimed: the first interpreter to import torch pays the page cache, not a mode.
-    subprocess.run([sys.executable, "-c", "import torch"], env=_base_env(), check=False)
+    subprocess.run([sys.executable, "-c", "import torch"], env=child_env(), check=False)
 
     if args.plan:
         plan = [(int(w), int(m)) for w, m in (p.split(":") for p in args.plan.split(",") if p)]

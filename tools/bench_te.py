@@ -60,7 +60,6 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -71,6 +70,8 @@ import xml.etree.ElementTree as ET  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
+
+from benchkit import PrivateBroker, child_env, run_logged  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "tools" / "results" / "bench_te_gpu.json"
@@ -261,46 +262,6 @@ def log(message: str) -> None:
     print(f"[bench_te {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def base_env() -> dict[str, str]:
-    """Every child's environment: PYTHONPATH as given (``/tmp/site`` on the GPU host), then
-    the repo; no stray cpq endpoint or pytest options from the caller."""
-    env = dict(os.environ)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
-    env["PYTHONUNBUFFERED"] = "1"
-    for key in ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER"):
-        env.pop(key, None)
-    return env
-
-
-def run_logged(
-    cmd: list[str], log_path: Path, env: dict[str, str], cwd: Path, timeout: float
-) -> tuple[int, float, float]:
-    """Run ``cmd`` with its output in ``log_path``: (rc, wall s, epoch at exit).
-
-    The child leads its own session, so a time-out takes down everything it started
-    (torchrun's ranks too): 124 is returned then, as ``timeout(1)`` does.
-    """
-    with open(log_path, "ab") as out:
-        out.write(f"$ {shlex.join(cmd)}\n".encode())
-        out.flush()
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=max(timeout, 1.0))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = 124
-        wall = time.perf_counter() - start
-        ended = time.time()
-        out.write(f"[rc {rc}, {wall:.2f} s]\n".encode())
-    return rc, wall, ended
-
-
 def tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -317,10 +278,7 @@ def plugin_args() -> list[str]:
     return [] if installed else ["-p", "cpq.plugin"]
 
 
-def private_broker(work: Path, name: str, gpus: str, env: dict[str, str]) -> Any:
-    """A :class:`PrivateBroker` (imported here: the --driver mode must not import cpq)."""
-    from private_broker import PrivateBroker
-
+def private_broker(work: Path, name: str, gpus: str, env: dict[str, str]) -> PrivateBroker:
     state = Path(tempfile.mkdtemp(prefix=f"cpq-{name}-", dir=work))
     return PrivateBroker(state, work / "logs" / f"broker-{name}", gpus, env)
 
@@ -506,11 +464,11 @@ def phase_cpq(
         "broker_start_s": round(broker.start_s, 3),
     }
     try:
-        child_env = dict(broker.env, CPQ_AUTOSTART="0")
+        session_env = dict(broker.env, CPQ_AUTOSTART="0")
         left = budget.left()
-        limit = min(400.0, max(left - reserve, 0.5 * left))
+        limit = max(min(400.0, max(left - reserve, 0.5 * left)), 1.0)
         log(f"cpq: {out['command']} (limit {limit:.0f} s)")
-        rc, wall, _ = run_logged(cmd, pytest_log, child_env, profile.pytest_cwd, limit)
+        rc, wall, _, _ = run_logged(cmd, pytest_log, session_env, profile.pytest_cwd, limit)
         status: dict[str, Any] = {}
         try:
             status = broker.status()
@@ -594,9 +552,9 @@ def phase_torchrun(
             cmd.insert(cmd.index(str(profile.torchrun_script)) + 1, "--driver")
         cmd += ["--cases", str(index), "--json", str(json_path)]
         t0 = time.time()
-        child_env = dict(env, TE_STANDALONE_T0=f"{t0:.6f}")
-        limit = min(240.0, budget.left() - 2)
-        rc, wall, t_end = run_logged(cmd, logs / f"torchrun_{index}.log", child_env, ROOT, limit)
+        run_env = dict(env, TE_STANDALONE_T0=f"{t0:.6f}")
+        limit = max(min(240.0, budget.left() - 2), 1.0)
+        rc, wall, _, t_end = run_logged(cmd, logs / f"torchrun_{index}.log", run_env, ROOT, limit)
         data: dict[str, Any] | None = None
         with contextlib.suppress(OSError, ValueError):
             data = json.loads(json_path.read_text())
@@ -888,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = selftest_profile(work) if args.selftest else te_profile()
     estimates = ESTIMATES[profile.name]
     budget = Budget(args.budget_s)
-    env = base_env()
+    env = child_env(repo_first=False)
     results: dict[str, Any] = {
         "title": "TE CP attention, ws=2: torchrun per case vs cpq"
         if profile.name == "te"
