@@ -206,6 +206,7 @@ class Broker:
         self.started_at = time.time()
         self.idle_since = time.monotonic()
         self.draining = False
+        self._interpreters: set[str] = set()  # interpreters seen to be executable
         self.stopping = False
         self._outbox: list[tuple[bytes, bytes]] = []
         self._heartbeat = protocol.encode(protocol.Heartbeat())
@@ -453,8 +454,10 @@ class Broker:
         if impossible:
             return impossible
         python = message.spec.python
-        if not (os.path.isabs(python) and os.access(python, os.X_OK)):
-            return f"interpreter {python!r} is not an executable on this node"
+        if python not in self._interpreters:  # a syscall per new interpreter, not per task
+            if not (os.path.isabs(python) and os.access(python, os.X_OK)):
+                return f"interpreter {python!r} is not an executable on this node"
+            self._interpreters.add(python)  # one removed later fails its group's start
         return ""
 
     def client_cancel(self, client: Client, message: protocol.Cancel) -> None:
