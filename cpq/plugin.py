@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
+from cpq.fanout import plugin as fanout
 from cpq.protocol import PoolSpec, TaskResult
 
 SESSION_KEY = pytest.StashKey["CpqSession"]()
@@ -53,6 +54,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cpq_endpoint", "broker endpoint", default="")
     parser.addini("cpq_timeout", "default per-test deadline in seconds", default="")
     parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
+    fanout.add_options(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,6 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = CpqSession(config)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(config), "cpq-xdist")
+    fanout.register(config)  # CI fan-out: shards, results, durations (cpq.fanout)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,0 +1,72 @@
+"""``cpq merge [--junit OUT.xml] [--durations OUT.json] DIR_OR_FILE...``.
+
+Kept apart from ``cpq.cli`` so the merge (a CI step on a machine that may have no broker,
+no GPU and no torch) imports nothing but the standard library and this package.
+Bad input (an unreadable or malformed manifest, a durations file that is not an object of
+seconds) is exit 4 like every other cpq usage error, and is detected before anything is
+written, so a failed merge never replaces a good durations file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from cpq.fanout import durations, junit, manifest
+from cpq.fanout.merge import merge, render
+
+EXIT_USAGE = 4
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        type=Path,
+        metavar="DIR_OR_FILE",
+        help="shard result directories (their shard-I-of-N.json) or manifest files",
+    )
+    parser.add_argument("--junit", type=Path, help="write one merged JUnit XML file here")
+    parser.add_argument(
+        "--durations",
+        type=Path,
+        help="update this durations file (test id -> seconds) with the merged run's walls",
+    )
+    parser.add_argument("--top", type=int, default=10, help="how many slowest tests to list")
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        manifests = [manifest.read(p) for p in manifest.find(args.inputs)]
+        if args.durations is not None:
+            durations.load(args.durations)  # refuse a malformed one before writing anything
+    except (manifest.ManifestError, durations.DurationsError) as exc:
+        print(f"cpq merge: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    report = merge(manifests)
+    print(render(report, top=args.top))
+    try:
+        if args.junit is not None:
+            junit.write(args.junit, report.manifests)
+            print(f"junit: {args.junit}")
+        if args.durations is not None:
+            written = durations.update(args.durations, report.durations)
+            print(f"durations: {args.durations} ({len(written)} entries)")
+    except (OSError, durations.DurationsError) as exc:
+        print(f"cpq merge: cannot write: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"merged in {time.monotonic() - started:.3f}s")
+    return report.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpq merge", description=__doc__.splitlines()[0])
+    add_merge_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else 0
+    return run_merge(args)

@@ -1,0 +1,177 @@
+"""A shard's manifest: what it was asked to run, what ran, and how it went.
+
+Why a manifest beside the JUnit file: JUnit says what ran, not what should have. The
+exactly-once check of ``cpq merge`` needs each shard's collected ids (to see a test no shard
+kept), its selected ids (to see a shard that died part-way) and two hashes (to see shards
+that collected different suites, or computed different partitions from different durations
+files). A shard writes its manifest twice: when its share is known (``complete: false``, so
+a shard killed mid-run still names the tests it owed) and when the session ends.
+
+File names hold the shard index and count (``shard-2-of-4.json``): a requeued shard (Slurm
+``--requeue``) overwrites its own earlier result, so a requeue followed by a merge is
+complete, and results of runs with another shard count do not collide.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cpq.fanout.durations import write_json_atomic
+
+FORMAT = "cpq-shard-manifest/1"
+OUTCOMES = ("passed", "failed", "skipped", "error")
+
+
+class ManifestError(ValueError):
+    """A manifest file that cannot be read or does not have the expected shape."""
+
+
+def stem(index: int, count: int) -> str:
+    return f"shard-{index}-of-{count}"
+
+
+@dataclass
+class TestRecord:
+    """One test's result in one shard: outcome, wall seconds (all phases), retries."""
+
+    __test__ = False  # not a pytest test class
+
+    outcome: str
+    wall_s: float
+    retries: int = 0
+    message: str = ""  # one line: why it failed or was skipped
+    details: str = ""  # the failure's long report (trimmed)
+
+
+@dataclass
+class Manifest:
+    """The JSON result of one shard (see the module docstring)."""
+
+    index: int
+    count: int
+    collection_hash: str
+    partition_hash: str
+    collected: list[str]
+    selected: list[str]
+    complete: bool = False
+    source: str = ""
+    hostname: str = ""
+    restart_count: int = 0
+    started_at: float = 0.0
+    wall_s: float = 0.0
+    exitstatus: int | None = None
+    spawns: int = 0
+    spawn_s: dict[str, float] = field(default_factory=dict)
+    tests: dict[str, TestRecord] = field(default_factory=dict)
+    path: str = ""  # where it was read from (not written)
+
+    @property
+    def retries(self) -> int:
+        return sum(r.retries for r in self.tests.values())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("path")
+        data["format"] = FORMAT
+        return data
+
+    def write(self, directory: Path) -> Path:
+        path = directory / f"{stem(self.index, self.count)}.json"
+        write_json_atomic(path, self.to_json())
+        return path
+
+
+def _need(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise ManifestError(f"{where}: missing {key!r}")
+    value = data[key]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise ManifestError(f"{where}: {key!r} has {value!r}")
+    return value
+
+
+def _str_list(data: dict[str, Any], key: str, where: str) -> list[str]:
+    value = _need(data, key, list, where)
+    if not all(isinstance(v, str) for v in value):
+        raise ManifestError(f"{where}: {key!r} must be a list of test ids")
+    return list(value)
+
+
+def from_json(data: object, where: str) -> Manifest:
+    """A :class:`Manifest` from parsed JSON; :class:`ManifestError` names what is wrong."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: not a cpq shard manifest (expected a JSON object)")
+    if data.get("format") != FORMAT:
+        raise ManifestError(f"{where}: not a cpq shard manifest (format {data.get('format')!r})")
+    number = (int, float)
+    tests: dict[str, TestRecord] = {}
+    for test_id, raw in _need(data, "tests", dict, where).items():
+        at = f"{where}: test {test_id!r}"
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{at}: expected an object")
+        outcome = _need(raw, "outcome", str, at)
+        if outcome not in OUTCOMES:
+            raise ManifestError(f"{at}: unknown outcome {outcome!r}")
+        tests[test_id] = TestRecord(
+            outcome=outcome,
+            wall_s=float(_need(raw, "wall_s", number, at)),
+            retries=int(raw.get("retries", 0)),
+            message=str(raw.get("message", "")),
+            details=str(raw.get("details", "")),
+        )
+    index = _need(data, "index", int, where)
+    count = _need(data, "count", int, where)
+    if not 0 <= index < count:
+        raise ManifestError(f"{where}: shard {index}/{count} is not a shard")
+    spawn_s = _need(data, "spawn_s", dict, where)
+    exitstatus = data.get("exitstatus")
+    return Manifest(
+        index=index,
+        count=count,
+        collection_hash=_need(data, "collection_hash", str, where),
+        partition_hash=_need(data, "partition_hash", str, where),
+        collected=_str_list(data, "collected", where),
+        selected=_str_list(data, "selected", where),
+        complete=_need(data, "complete", bool, where),
+        source=str(data.get("source", "")),
+        hostname=str(data.get("hostname", "")),
+        restart_count=int(data.get("restart_count", 0)),
+        started_at=float(data.get("started_at", 0.0)),
+        wall_s=float(_need(data, "wall_s", number, where)),
+        exitstatus=exitstatus if isinstance(exitstatus, int) else None,
+        spawns=int(_need(data, "spawns", int, where)),
+        spawn_s={str(k): float(v) for k, v in spawn_s.items() if isinstance(v, number)},
+        tests=tests,
+        path=where,
+    )
+
+
+def read(path: Path) -> Manifest:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path}: not JSON ({exc})") from None
+    return from_json(data, str(path))
+
+
+def find(inputs: list[Path]) -> list[Path]:
+    """Manifest files named by ``inputs``: files as given, directories' ``shard-*.json``."""
+    found: list[Path] = []
+    for path in inputs:
+        if path.is_dir():
+            matches = sorted(path.glob("shard-*-of-*.json"))
+            if not matches:
+                raise ManifestError(f"{path}: no shard manifests (shard-I-of-N.json) in it")
+            found += matches
+        elif path.exists():
+            found.append(path)
+        else:
+            raise ManifestError(f"{path}: no such file or directory")
+    return list(dict.fromkeys(found))

@@ -1,0 +1,196 @@
+"""``cpq merge``'s judgement: every collected test ran exactly once, and how the shards did.
+
+Why the check is strict: a fan-out that loses a test (a shard killed, a node lost) or runs
+one twice (two shards that computed different partitions) still prints a green JUnit file
+when each shard is looked at alone. The merge is the one place that sees every shard, so
+it refuses to call a run complete unless all shards agree on the collection and on the
+partition, every shard finished, and the union of what ran is exactly what was collected.
+
+Exit codes: 0 every test passed (or skipped), 1 a test failed, 2 the run is incomplete or
+inconsistent (missing or duplicated tests, missing or unfinished shards, disagreeing
+shards), which wins over 1: a verdict on part of a suite is not a verdict.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cpq.fanout.manifest import Manifest
+from cpq.fanout.shard import SPAWN_PREFIX
+
+EXIT_PASSED, EXIT_FAILED, EXIT_INCOMPLETE = 0, 1, 2
+#: How many ids a message lists before "and N more".
+SHOW = 20
+
+
+@dataclass
+class MergeReport:
+    manifests: list[Manifest]
+    collected: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    duplicated: dict[str, list[str]] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    durations: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        if self.problems or self.missing or self.duplicated:
+            return EXIT_INCOMPLETE
+        return EXIT_FAILED if self.failed else EXIT_PASSED
+
+    @property
+    def balance(self) -> float | None:
+        walls = [m.wall_s for m in self.manifests if m.complete]
+        if len(walls) < 2 or min(walls) <= 0:
+            return None
+        return max(walls) / min(walls)
+
+
+def _listing(ids: Sequence[str]) -> str:
+    shown = ", ".join(ids[:SHOW])
+    return shown + (f" ... and {len(ids) - SHOW} more" if len(ids) > SHOW else "")
+
+
+def _label(manifest: Manifest) -> str:
+    return f"{manifest.index}/{manifest.count}"
+
+
+def _agreement(manifests: Sequence[Manifest], report: MergeReport) -> None:
+    """Problems when the shards disagree on the count, the collection or the partition."""
+    counts = sorted({m.count for m in manifests})
+    if len(counts) > 1:
+        report.problems.append(f"shards disagree on the shard count: {counts}")
+    by_collection: dict[str, list[Manifest]] = defaultdict(list)
+    for manifest in manifests:
+        by_collection[manifest.collection_hash].append(manifest)
+    if len(by_collection) > 1:
+        groups = "; ".join(
+            f"{', '.join(_label(m) for m in group)} collected {len(group[0].collected)} tests "
+            f"(hash {digest})"
+            for digest, group in by_collection.items()
+        )
+        sets = [frozenset(group[0].collected) for group in by_collection.values()]
+        differing = sorted(frozenset().union(*sets) - sets[0].intersection(*sets[1:]))
+        report.problems.append(
+            f"shards collected different suites: {groups}; differing tests: {_listing(differing)}"
+        )
+    by_partition: dict[str, list[str]] = defaultdict(list)
+    for manifest in manifests:
+        by_partition[manifest.partition_hash].append(_label(manifest))
+    if len(by_partition) > 1 and len(by_collection) == 1:
+        groups = "; ".join(f"{', '.join(v)} (hash {k})" for k, v in by_partition.items())
+        report.problems.append(
+            "shards computed different selections from the same collection (different "
+            f"durations files or cpq versions?): {groups}"
+        )
+    seen: dict[int, list[Manifest]] = defaultdict(list)
+    for manifest in manifests:
+        seen[manifest.index].append(manifest)
+    for index, group in sorted(seen.items()):
+        if len(group) > 1:
+            paths = ", ".join(m.path for m in group)
+            report.problems.append(f"shard {index} has {len(group)} results: {paths}")
+    for count in counts:
+        absent = [i for i in range(count) if not any(m.count == count for m in seen.get(i, []))]
+        if absent:
+            report.problems.append(
+                f"no result from shard(s) {', '.join(f'{i}/{count}' for i in absent)}"
+            )
+    for manifest in manifests:
+        if not manifest.complete:
+            report.problems.append(
+                f"shard {_label(manifest)} on {manifest.hostname or '?'} did not finish "
+                "(killed, cancelled or timed out before its session ended)"
+            )
+
+
+def merge(manifests: Sequence[Manifest]) -> MergeReport:
+    """Check and combine shard manifests (already read and validated)."""
+    ordered = sorted(manifests, key=lambda m: (m.count, m.index, m.path))
+    report = MergeReport(manifests=list(ordered))
+    _agreement(ordered, report)
+    collected: dict[str, None] = {}
+    for manifest in ordered:
+        collected.update(dict.fromkeys(manifest.collected))
+    report.collected = list(collected)
+    ran: dict[str, list[str]] = defaultdict(list)
+    for manifest in ordered:
+        for test_id, record in manifest.tests.items():
+            ran[test_id].append(_label(manifest))
+            if record.outcome in ("failed", "error"):
+                report.failed.append(test_id)
+            wall = max(record.wall_s, report.durations.get(test_id, 0.0))
+            report.durations[test_id] = round(wall, 4)
+    report.missing = [t for t in report.collected if t not in ran]
+    report.duplicated = {t: shards for t, shards in ran.items() if len(shards) > 1}
+    extra = [t for t in ran if t not in collected]
+    if extra:
+        report.problems.append(f"tests ran that no shard collected: {_listing(extra)}")
+    spawn: dict[str, list[float]] = defaultdict(list)
+    for manifest in ordered:
+        for label, seconds in manifest.spawn_s.items():
+            spawn[label].append(seconds)
+    for label, values in spawn.items():
+        report.durations[SPAWN_PREFIX + label] = round(statistics.median(values), 4)
+    report.failed = list(dict.fromkeys(report.failed))
+    return report
+
+
+def render(report: MergeReport, top: int = 10) -> str:
+    """The summary ``cpq merge`` prints."""
+    lines = [
+        f"cpq merge: {len(report.manifests)} shard result(s), "
+        f"{len(report.collected)} test(s) collected"
+    ]
+    header = ("shard", "host", "tests", "failed", "wall s", "spawns", "retries", "restarts", "")
+    rows = [header]
+    for m in report.manifests:
+        failed = sum(r.outcome in ("failed", "error") for r in m.tests.values())
+        rows.append(
+            (
+                _label(m),
+                m.hostname or "?",
+                f"{len(m.tests)}/{len(m.selected)}",
+                str(failed),
+                f"{m.wall_s:.1f}",
+                str(m.spawns),
+                str(m.retries),
+                str(m.restart_count),
+                "" if m.complete else "UNFINISHED",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    walls = sorted(
+        ((r.wall_s, t, _label(m)) for m in report.manifests for t, r in m.tests.items()),
+        key=lambda x: (-x[0], x[1]),
+    )
+    if walls:
+        lines.append(f"slowest {min(top, len(walls))} test(s):")
+        lines += [f"  {w:8.2f}s  {t}  (shard {s})" for w, t, s in walls[:top]]
+    balance = report.balance
+    if balance is not None:
+        complete = [m.wall_s for m in report.manifests if m.complete]
+        lines.append(
+            f"balance: max/min shard wall = {balance:.2f} "
+            f"({max(complete):.1f}s / {min(complete):.1f}s)"
+        )
+    lines += [f"PROBLEM: {p}" for p in report.problems]
+    if report.missing:
+        lines.append(f"MISSING ({len(report.missing)}): {_listing(report.missing)}")
+    if report.duplicated:
+        dup = [f"{t} (shards {', '.join(s)})" for t, s in report.duplicated.items()]
+        lines.append(f"DUPLICATED ({len(dup)}): {_listing(dup)}")
+    if report.failed:
+        lines.append(f"FAILED ({len(report.failed)}): {_listing(report.failed)}")
+    verdict = {
+        EXIT_PASSED: "every collected test ran exactly once and passed",
+        EXIT_FAILED: f"every collected test ran exactly once; {len(report.failed)} failed",
+        EXIT_INCOMPLETE: "INCOMPLETE: not every collected test ran exactly once",
+    }[report.exit_code]
+    lines.append(f"verdict: {verdict} (exit {report.exit_code})")
+    return "\n".join(lines)

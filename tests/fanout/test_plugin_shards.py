@@ -1,0 +1,119 @@
+"""Sharding through real pytest sessions (``pytester``), unmarked tests: no broker needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cpq.fanout import cli
+
+pytest_plugins = ["pytester"]
+
+#: Only cpq's plugin (and xdist where asked): each session then starts in well under a second.
+BASE = ("-p", "cpq.plugin", "-p", "no:cacheprovider")
+
+
+@pytest.fixture(autouse=True)
+def _no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+SUITE = """
+import pytest
+
+@pytest.mark.parametrize("n", range(12))
+def test_case(n):
+    assert n != 7 or FAIL_SEVEN is False
+
+def test_skipped():
+    pytest.skip("not here")
+
+FAIL_SEVEN = False
+"""
+
+
+def manifests(directory: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("shard-*.json"))]
+
+
+def test_three_shards_cover_the_suite_once_and_merge(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    results = pytester.path / "out"
+    outcomes = []
+    for index in range(3):
+        run = pytester.runpytest_subprocess(
+            *BASE, f"--cpq-shard={index}/3", f"--cpq-results={results}"
+        )
+        outcomes.append(run.parseoutcomes())
+        run.stdout.fnmatch_lines([f"*cpq fan-out: shard {index}/3 ran * of 13 tests*"])
+    assert sum(o.get("passed", 0) for o in outcomes) == 12
+    assert sum(o.get("skipped", 0) for o in outcomes) == 1
+    assert sorted(o["deselected"] for o in outcomes) == [8, 9, 9]
+    data = manifests(results)
+    assert [d["index"] for d in data] == [0, 1, 2]
+    assert sorted(i for d in data for i in d["selected"]) == sorted(data[0]["collected"])
+    assert all(d["complete"] for d in data)
+    assert (results / "shard-2-of-3.xml").exists()
+    assert cli.main([str(results)]) == 0
+    assert "every collected test ran exactly once and passed" in capsys.readouterr().out
+
+
+def test_xdist_workers_agree_on_the_share(pytester: pytest.Pytester) -> None:
+    """Every xdist worker deselects the same tests; the controller writes the results."""
+    pytester.makepyfile(test_suite=SUITE)
+    results = pytester.path / "out"
+    plain = pytester.runpytest_subprocess(*BASE, "--cpq-shard=1/2", f"--cpq-results={results}/a")
+    spread = pytester.runpytest_subprocess(
+        *BASE, "-p", "xdist.plugin", "-n", "2", "--cpq-shard=1/2", f"--cpq-results={results}/b"
+    )
+    assert plain.parseoutcomes()["passed"] == spread.parseoutcomes()["passed"] > 0
+    (a,) = manifests(results / "a")
+    (b,) = manifests(results / "b")
+    assert a["selected"] == b["selected"] and a["partition_hash"] == b["partition_hash"]
+    assert set(b["tests"]) == set(b["selected"]) and b["complete"]
+
+
+def test_durations_balance_and_write_back(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    durations = pytester.path / "d.json"
+    slow = "test_suite.py::test_case[0]"
+    recorded = {f"test_suite.py::test_case[{n}]": 1.0 for n in range(12)}
+    recorded |= {slow: 100.0, "test_suite.py::test_skipped": 1.0}
+    durations.write_text(json.dumps(recorded))
+    run = pytester.runpytest_subprocess(
+        *BASE, "--cpq-shard=0/2", f"--cpq-durations={durations}", "-v"
+    )
+    run.assert_outcomes(passed=1, deselected=12)  # 100 s alone outweighs the other twelve
+    assert f"{slow} PASSED" in run.stdout.str()
+    assert (pytester.path / ".cpq" / "results" / "shard-0-of-2.json").exists()  # the default
+    single = pytester.runpytest_subprocess(
+        *BASE, "--cpq-write-durations", f"--cpq-durations={durations}"
+    )
+    single.assert_outcomes(passed=12, skipped=1)
+    written = json.loads(durations.read_text())
+    assert len(written) == 13 and written[slow] < 100.0
+
+
+def test_failures_and_bad_options(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE.replace("FAIL_SEVEN = False", "FAIL_SEVEN = True"))
+    results = pytester.path / "out"
+    for index in range(2):
+        pytester.runpytest_subprocess(
+            *BASE, f"--cpq-shard={index}/2", "--cpq-results", str(results)
+        )
+    assert cli.main(["--junit", str(results / "all.xml"), str(results)]) == 1
+    assert 'message="assert' in (results / "all.xml").read_text()
+    bad = pytester.runpytest_subprocess(*BASE, "--cpq-shard=2/2")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*shard index 2 is not in 0..1*"])
+    (pytester.path / "broken.json").write_text("[1]")
+    bad = pytester.runpytest_subprocess(*BASE, "--cpq-shard=0/2", "--cpq-durations=broken.json")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*broken.json: expected a JSON object*"])
+    plain = pytester.runpytest_subprocess(*BASE)
+    assert plain.ret == pytest.ExitCode.TESTS_FAILED
+    assert not (pytester.path / ".cpq").exists()  # a plain run leaves no result files
