@@ -168,7 +168,7 @@ class FanoutPlugin:
             collected=collected,
             selected=shards[index],
             source=self.shard.source if self.shard else "--cpq-results",
-            hostname=socket.gethostname(),
+            hostname=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
             restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             started_at=self.started_at,
         )
