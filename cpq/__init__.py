@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 from cpq.client import BadRequest, BrokerUnavailable, Client
 from cpq.protocol import EncodeError, PoolSpec, RankError, RankResult, TaskResult
-from cpq.reset import register_reset_hook
+from cpq.rank.reset import register_reset_hook
 
 __all__ = [
     "BadRequest",

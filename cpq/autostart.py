@@ -11,8 +11,6 @@ started broker exits by itself after ``idle_exit_s`` without clients or tasks.
 from __future__ import annotations
 
 import fcntl
-import functools
-import hashlib
 import logging
 import subprocess
 import sys
@@ -20,7 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cpq import __version__, paths
+from cpq import __version__, lockfile, paths
+from cpq.lockfile import code_fingerprint
 
 log = logging.getLogger("cpq.autostart")
 
@@ -29,40 +28,7 @@ DEFAULT_IDLE_EXIT_S = 600.0
 
 def broker_alive(endpoint: str) -> bool:
     """True if a broker on this node holds ``endpoint``'s lock (no message needed)."""
-    lock = paths.lock_path(endpoint)
-    try:
-        handle = open(lock)  # noqa: SIM115
-    except FileNotFoundError:
-        return False
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
-
-
-def _lock_names_this_code(endpoint: str) -> bool:
-    """The serving broker wrote its pid and code fingerprint into the endpoint's lock file;
-    True unless it names other code (a broker too old to write one counts as this code)."""
-    try:
-        lines = paths.lock_path(endpoint).read_text().split()
-    except OSError:
-        return True
-    return len(lines) < 2 or lines[1] == code_fingerprint()
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """Which cpq code this process runs: a hash of the package's source files' names, sizes
-    and modification times. It tells a background broker started before ``pip install -U
-    cpq`` (or before an edit of an editable install) from one running this code."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        info = path.stat()
-        digest.update(f"{path.name}:{info.st_size}:{info.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
+    return lockfile.held(endpoint)
 
 
 def ensure_broker(
@@ -74,7 +40,7 @@ def ensure_broker(
     :func:`replace_if_stale`), so an upgrade takes effect at the next test session instead
     of after the old broker's idle exit.
     """
-    if broker_alive(endpoint) and _lock_names_this_code(endpoint):
+    if broker_alive(endpoint) and lockfile.names_this_code(endpoint):
         return False  # the usual case: no lock taken, no connection made
     state = paths.state_dir()
     with open(state / "autostart.lock", "a") as guard:

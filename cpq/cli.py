@@ -1,6 +1,6 @@
 """Command line: ``cpq {broker,status,submit,stop,keys}``, ``cpq-broker``, ``cpq-status``.
 
-``cpq submit`` exit codes (DESIGN.md): 0 passed, 1 failed, 2 error, 3 skipped, 4 bad usage.
+``cpq submit`` exit codes (docs/design.md): 0 passed, 1 failed, 2 error, 3 skipped, 4 bad usage.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from cpq import paths
 from cpq.fanout.cli import add_merge_arguments, run_merge
-from cpq.logfile import LogFileHandler
+from cpq.broker.logfile import LogFileHandler
 from cpq.protocol import PoolSpec
 from cpq.timings import TIMINGS_FILE
 
@@ -149,7 +149,7 @@ def parse_warm(text: str, roots: list[str]) -> tuple[PoolSpec, int]:
 
 
 def _run_broker(args: argparse.Namespace) -> int:
-    from cpq.broker import BrokerAlreadyRunning, BrokerConfig, detect_gpus, run_broker
+    from cpq.broker.loop import BrokerAlreadyRunning, BrokerConfig, detect_gpus, run_broker
     from cpq.security import InsecureEndpoint
 
     state = paths.state_dir()
@@ -248,13 +248,14 @@ def _status_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _run_timings(args: argparse.Namespace) -> int:
     from cpq import timings
+    from cpq.render import render_timings
 
     path = args.file or paths.state_dir() / TIMINGS_FILE
     summary = timings.summarize(timings.read(path), top=args.top)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
-        print(timings.render(summary, path))
+        print(render_timings(summary, path))
     return 0
 
 
@@ -270,7 +271,7 @@ def _watch_frame(text: str, first: bool) -> str:
 def _run_status(args: argparse.Namespace) -> int:
     from cpq.autostart import broker_alive
     from cpq.client import BrokerUnavailable, Client
-    from cpq.status import render, render_prometheus, render_prometheus_down
+    from cpq.render import render, render_prometheus, render_prometheus_down
 
     if args.timings:
         return _run_timings(args)
@@ -339,7 +340,7 @@ def _run_submit(args: argparse.Namespace) -> int:
     from cpq.autostart import ensure_broker
     from cpq.client import BadRequest, BrokerUnavailable, Client
     from cpq.protocol import EncodeError
-    from cpq.status import render_result
+    from cpq.render import render_result
 
     kwargs: dict[str, Any] = {}
     for item in args.kwargs:

@@ -1,6 +1,6 @@
 """``cpq.Client``: submit tasks to a broker and wait for their verdicts.
 
-The client mirrors the worker's threading: a background I/O thread owns the DEALER socket,
+The client mirrors the rank's threading: a background I/O thread owns the DEALER socket,
 heartbeats, and resolves futures as verdicts arrive, so a test process can keep several
 tasks in flight, notices a dead broker within ``liveness x heartbeat`` seconds even while it
 waits, and the broker notices a dead client the same way (and drops its queued tasks).
@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from cpq import paths, protocol
-from cpq.liveness import pid_namespace
+from cpq.osutil import pid_namespace
 from cpq.protocol import PoolSpec, TaskResult
 
 log = logging.getLogger("cpq.client")

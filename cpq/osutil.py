@@ -1,4 +1,6 @@
-"""Small Linux process helpers used on both sides of a group (agent launcher and ranks)."""
+"""Small Linux process helpers shared by every cpq process (client, broker, rank).
+
+Imports nothing else of cpq."""
 
 from __future__ import annotations
 
@@ -24,3 +26,12 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(sig))
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(75)
+
+
+def pid_namespace() -> int | None:
+    """This process's pid namespace (an inode number): a pid means the same process to two
+    processes only if they share it, as a broker and a client in one container do."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None

@@ -1,7 +1,7 @@
 """Where cpq keeps its sockets, lock and logs, and the default endpoint.
 
 The default endpoint is an ``ipc://`` socket inside a per-user directory of mode 0700: the
-file system is the access control (DESIGN.md, "Trust"), so the directory is checked every
+file system is the access control (docs/design.md, "Trust"), so the directory is checked every
 time it is used and refused when someone else owns it or others can enter it.
 """
 

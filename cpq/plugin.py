@@ -1,7 +1,7 @@
 """The pytest plugin: ``@pytest.mark.cpq(world_size=2)`` and the ``cpq`` fixture.
 
 Porting a distributed test is one marker: the test body is sent to every rank of a warm
-group of the right spec (through ``cpq.pytest_task``), parametrize values travel as
+group of the right spec (through ``cpq.rank.pytest_task``), parametrize values travel as
 msgpack, and the verdict comes back as an ordinary pass / fail / skip whose report reads
 like a local one: the first failing rank's traceback as the long repr, every other rank's
 error and every rank's captured output as report sections, and retry notes on the test's
@@ -457,7 +457,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "args": args,
         "import_paths": session.import_paths(),
     }
-    target = "cpq.pytest_task:run_test"
+    target = "cpq.rank.pytest_task:run_test"
     result = session.submit(target, world_size, kwargs, timeout, env, pyfuncitem.nodeid)
     report_result(pyfuncitem, result, pyfuncitem.nodeid)
     return True

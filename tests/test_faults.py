@@ -1,6 +1,6 @@
 """The fault matrix: every fault injector of ``workers/faults.py`` against a real broker.
 
-For each fault: the verdict DESIGN.md's outcome table promises, how fast it comes, whether
+For each fault: the verdict docs/design.md's outcome table promises, how fast it comes, whether
 the group was recycled (status ``groups_started`` and pool ids), that no process of a
 killed group survives, and that the next task on the same spec passes.
 

@@ -32,6 +32,7 @@ from conftest import ROOT, start_broker, stop_broker, wait_for_status
 from prometheus_client.parser import text_string_to_metric_families
 
 from cpq import Client, timings
+from cpq.broker.history import TimingsLog
 from cpq.client import interpreter
 from cpq.protocol import RETRY_NOTE, TaskResult
 
@@ -41,7 +42,7 @@ HOLD = "workers.collectives:hold_until"
 #: brokers' ``--warm ws1:gloo`` groups (same interpreter, same roots).
 PRIVATE = {"world_size": 1, "backend": "gloo", "roots": [str(ROOT)]}
 
-# The --json schema: these key sets are the contract (DESIGN.md names the top level); a
+# The --json schema: these key sets are the contract (docs/design.md names the top level); a
 # change here is a change for every consumer of the JSON, so it must be deliberate.
 BROKER_KEYS = {
     "endpoint", "pid", "host", "version", "code", "protocol", "started_at", "uptime_s", "gpus",
@@ -483,7 +484,7 @@ def test_watch_redraws_in_place(broker: str) -> None:
 def test_timings_summary_and_a_log_that_cannot_be_written(tmp_path: Path) -> None:
     path = tmp_path / "timings.jsonl"
     line = len(json.dumps(_timing("t::b", 0.1), sort_keys=True)) + 1
-    log = timings.TimingsLog(path, max_bytes=50 * line)  # 81 lines: rotates exactly once
+    log = TimingsLog(path, max_bytes=50 * line)  # 81 lines: rotates exactly once
     for n in range(1, 21):
         timing = timings.TaskTiming(**{**_timing("t::a", n / 10), "outcome": "passed"})
         assert log.append(timing)
@@ -502,7 +503,7 @@ def test_timings_summary_and_a_log_that_cannot_be_written(tmp_path: Path) -> Non
     assert Path(f"{path}.1").exists() and path.stat().st_size < 50 * line
     assert sum(1 for t in timings.read(path) if t.test_id == "t::b") == 60
 
-    full = timings.TimingsLog(Path("/dev/full"))
+    full = TimingsLog(Path("/dev/full"))
     assert not full.append(timings.TaskTiming(**_timing("t::c", 0.1)))
     assert full.errors == 1
 
@@ -530,7 +531,7 @@ def test_no_broker_is_reported_at_once_and_as_cpq_up_0(tmp_path: Path) -> None:
 def test_rank_reports_leave_out_fields_an_older_broker_cannot_read() -> None:
     """An embedded broker outlives upgrades: a newer rank must still report to it."""
     from cpq import protocol
-    from cpq.supervisor import GroupProcess
+    from cpq.broker.supervisor import GroupProcess
 
     done = protocol.RankDone(
         task_id="t",

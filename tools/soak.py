@@ -12,8 +12,8 @@ failures must come back ``failed`` without a retry.
 
 Checked at the end: every task got exactly one verdict (lost = 0: no future left
 unresolved; duplicated = 0: no second ``done`` for a task id), every verdict is the
-expected one, no process of this run survives the broker (psutil: no ``cpq.worker`` or
-``cpq.launch`` process whose environment names this run's backend socket), and the
+expected one, no process of this run survives the broker (psutil: no ``cpq.rank`` or
+``cpq.rank.launch`` process whose environment names this run's backend socket), and the
 broker's RSS stays flat (after warm-up vs the end). Exit status 0 only if all hold.
 
 Usage::
@@ -256,7 +256,7 @@ def processes_of_run(state: Path) -> list[psutil.Process]:
     mine = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "cpq.worker" not in cmdline and "cpq.launch" not in cmdline:
+        if "cpq.rank" not in cmdline:
             continue
         try:
             backend = proc.environ().get("CPQ_BACKEND_ENDPOINT", "")

@@ -52,6 +52,6 @@ timeout -k 10 "$limit" python3 tools/bench_cp.py --gpu --budget-s $((limit - 30)
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 124 ] && echo "run_cp_bench: bench cut at ${limit}s; the JSON holds the modes that finished"
 # Nothing the bench started may outlive it (brokers stop their groups; this is the check).
-left=$(pgrep -f "cpq.worker|cpq.launch|stdio_pool.py --worker|bench_cp.py --one-case" || true)
+left=$(pgrep -f "cpq.rank|stdio_pool.py --worker|bench_cp.py --one-case" || true)
 [ -n "$left" ] && echo "run_cp_bench: leftover processes: $left" | tee -a "$out/bench_cp_gpu.log"
 exit "$rc"

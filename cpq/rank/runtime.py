@@ -1,12 +1,8 @@
-"""The worker runtime: what every rank of a warm group runs (``torchrun ... -m cpq.worker``).
+"""The rank runtime: what every rank of a warm group runs (``torchrun ... -m cpq.rank``).
 
-Two threads per rank. The I/O thread owns the ZeroMQ DEALER: it says hello, heartbeats,
-hands tasks to the main thread through a queue, answers stack-dump requests by reading the
-main thread's frames, and exits the process when the broker goes silent. The main thread
-initialises the process group once and then loops: take a task, reset state, import and
-call the target with fd-level capture, report. Because the I/O thread never waits on the
-main thread, a rank stuck in a collective still heartbeats and can still say where it is
-stuck; that is why the broker also keeps a per-task deadline.
+Two threads per rank. The I/O thread (:mod:`cpq.rank.io`) owns the ZeroMQ DEALER. The main
+thread, here, initialises the process group once and then loops: take a task, reset
+state, import and call the target with fd-level capture, report.
 
 Only :mod:`cpq.protocol` is shared with the broker; everything here is configured through
 ``CPQ_*`` variables the group supervisor sets.
@@ -18,152 +14,31 @@ import contextlib
 import importlib
 import logging
 import os
-import queue
 import resource
 import sys
-import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from cpq import protocol
-from cpq.capture import FdCapture
 from cpq.osutil import die_with_parent
-from cpq.reset import Baseline, load_hooks_from_env, reset_state
+from cpq.rank.capture import FdCapture
+from cpq.rank.io import PIPE, IOThread, RankConfig, hard_exit
+from cpq.rank.reset import Baseline, load_hooks_from_env, reset_state
 
-log = logging.getLogger("cpq.worker")
+log = logging.getLogger("cpq.rank")
 
-EXIT_BROKER_LOST = 75
-_PIPE = "inproc://cpq-worker-results"
-_CPQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    endpoint: str
-    group_id: str
-    token: str
-    rank: int
-    local_rank: int
-    world_size: int
-    dist_backend: str
-    heartbeat_s: float
-    liveness: int
-    roots: list[str]
-    log_dir: str
-
-    @classmethod
-    def from_env(cls) -> WorkerConfig:
-        env = os.environ
-        return cls(
-            endpoint=env["CPQ_BACKEND_ENDPOINT"],
-            group_id=env["CPQ_GROUP_ID"],
-            token=env["CPQ_GROUP_TOKEN"],
-            rank=int(env["RANK"]),
-            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-            world_size=int(env["WORLD_SIZE"]),
-            dist_backend=env.get("CPQ_DIST_BACKEND", "gloo"),
-            heartbeat_s=float(env.get("CPQ_HEARTBEAT_S", "1")),
-            liveness=int(env.get("CPQ_LIVENESS", "5")),
-            roots=[r for r in env.get("CPQ_ROOTS", "").split(os.pathsep) if r],
-            log_dir=env.get("CPQ_LOG_DIR", ""),
-        )
-
-
-# --------------------------------------------------------------------------- I/O thread
-
-
-class IOThread(threading.Thread):
-    """Owns the DEALER socket; the only thread that talks to the broker."""
-
-    def __init__(self, config: WorkerConfig, context: zmq.Context[Any]) -> None:
-        super().__init__(name="cpq-io", daemon=True)
-        self.config = config
-        self.context = context
-        self.tasks: queue.Queue[protocol.RunTask | None] = queue.Queue()
-        self.main_thread_id = threading.main_thread().ident
-        self.bound = threading.Event()
-
-    def run(self) -> None:
-        cfg = self.config
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-        dealer.connect(cfg.endpoint)
-        pipe = self.context.socket(zmq.PAIR)
-        pipe.setsockopt(zmq.LINGER, 0)
-        pipe.bind(_PIPE)
-        self.bound.set()
-        hello = protocol.RankHello(
-            group_id=cfg.group_id,
-            token=cfg.token,
-            rank=cfg.rank,
-            local_rank=cfg.local_rank,
-            pid=os.getpid(),
-        )
-        dealer.send(protocol.encode(hello))
-        heartbeat = protocol.encode(protocol.Heartbeat())
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(pipe, zmq.POLLIN)
-        last_heard = last_sent = time.monotonic()
-        silence_limit = cfg.heartbeat_s * cfg.liveness
-        while True:
-            events = dict(poller.poll(timeout=int(cfg.heartbeat_s * 1000 / 2)))
-            now = time.monotonic()
-            if dealer in events:
-                last_heard = now
-                self._on_broker_frame(dealer, dealer.recv())
-            if pipe in events:
-                dealer.send(pipe.recv())
-                last_sent = now
-            if now - last_sent >= cfg.heartbeat_s:
-                dealer.send(heartbeat)
-                last_sent = now
-            # Before calling the broker lost, look for frames that arrived while this thread
-            # could not run (the task held the GIL): those are the broker's heartbeats.
-            if now - last_heard > silence_limit and not dealer.poll(0):
-                log.error("broker silent for %.1fs; exiting", now - last_heard)
-                _hard_exit(EXIT_BROKER_LOST)
-
-    def _on_broker_frame(self, dealer: zmq.Socket[Any], frame: bytes) -> None:
-        try:
-            message = protocol.decode(frame)
-        except protocol.ProtocolError as exc:
-            log.error("dropping a malformed frame from the broker: %s", exc)
-            return
-        if isinstance(message, protocol.RunTask):
-            self.tasks.put(message)
-        elif isinstance(message, protocol.DumpStacks):
-            stacks = protocol.RankStacks(
-                task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
-            )
-            dealer.send(protocol.encode(stacks))
-        elif isinstance(message, protocol.Shutdown):
-            self.tasks.put(None)
-            # A main thread stuck in a collective never reads the queue: leave anyway.
-            threading.Timer(self.config.heartbeat_s * 2, _hard_exit, args=(0,)).start()
-
-    def main_stack(self) -> str:
-        frame = sys._current_frames().get(self.main_thread_id or -1)
-        if frame is None:
-            return "(main thread not found)"
-        return "".join(traceback.format_stack(frame))
-
-
-def _hard_exit(code: int) -> None:
-    logging.shutdown()
-    os._exit(code)
+#: cpq's own frames are hidden from the user's tracebacks.
+_CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 # --------------------------------------------------------------------------- main thread
 
 
-def redirect_output_to_log(config: WorkerConfig) -> None:
+def redirect_output_to_log(config: RankConfig) -> None:
     """Point fds 1 and 2 at this rank's log file (what it prints between tasks lands there)."""
     if not config.log_dir:
         return
@@ -175,7 +50,7 @@ def redirect_output_to_log(config: WorkerConfig) -> None:
         os.close(fd)
 
 
-def init_process_group(config: WorkerConfig) -> None:
+def init_process_group(config: RankConfig) -> None:
     import torch
     import torch.distributed as dist
 
@@ -369,7 +244,7 @@ def _describe(exc: BaseException) -> protocol.RankError:
 
 
 def main() -> None:
-    config = WorkerConfig.from_env()
+    config = RankConfig.from_env()
     die_with_parent()
     redirect_output_to_log(config)
     logging.basicConfig(
@@ -388,7 +263,7 @@ def main() -> None:
     io.bound.wait()
     results = context.socket(zmq.PAIR)
     results.setsockopt(zmq.LINGER, 0)
-    results.connect(_PIPE)
+    results.connect(PIPE)
     for root in reversed(config.roots):
         if root not in sys.path:
             sys.path.insert(0, root)
@@ -424,7 +299,7 @@ def main() -> None:
             frame = protocol.encode_for(done, features)
         results.send(frame)
     log.info("shutting down")
-    _hard_exit(0)
+    hard_exit(0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""State reset between tasks in a warm rank (worker side).
+"""State reset between tasks in a warm rank (rank side).
 
 A warm group runs many unrelated tests in one process, so whatever one test leaves behind
 must not reach the next: environment variables, the working directory, replaced

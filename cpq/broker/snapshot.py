@@ -1,68 +1,80 @@
 """The status document: the one dict behind ``cpq-status``, ``--json`` and ``--prometheus``.
 
 Built from the broker's live state on each request, so it is exact at that moment and costs
-nothing between requests. Every field is plain msgpack data; :mod:`cpq.status` renders it.
-Kept out of :mod:`cpq.broker` so the event loop reads as the event loop.
+nothing between requests. Every field is plain msgpack data; :mod:`cpq.render` renders it.
+Kept out of :mod:`cpq.broker.loop` so the event loop reads as the event loop; it reads
+the parts (config, pools, tasks, clients, totals) and imports nothing that imports it.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cpq import __version__, protocol
-from cpq.autostart import code_fingerprint
+from cpq.broker.clock import Clock
+from cpq.broker.config import BrokerConfig
+from cpq.broker.model import Client, Group, Totals
+from cpq.broker.pools import Pools
+from cpq.broker.tasks import Tasks
+from cpq.lockfile import code_fingerprint
 
-if TYPE_CHECKING:
-    from cpq.broker import Broker, Group
 
-
-def describe(broker: Broker) -> dict[str, Any]:
+def describe(
+    config: BrokerConfig, pools: Pools, tasks: Tasks, started_at: float, clock: Clock
+) -> dict[str, Any]:
     """The broker itself: identity, configuration, free resources (also sent in ``welcome``)."""
     return {
-        "endpoint": broker.config.endpoint,
+        "endpoint": config.endpoint,
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "version": __version__,
         "code": code_fingerprint(),  # which cpq code it runs (autostart replaces stale ones)
         "protocol": protocol.PROTOCOL_VERSION,
-        "started_at": broker.started_at,
-        "uptime_s": time.time() - broker.started_at,
-        "gpus": broker.config.gpus,
-        "gpus_free": broker.resources.free_gpus(),
-        "max_ranks": broker.config.max_ranks,
-        "heartbeat_s": broker.config.heartbeat_s,
-        "liveness": broker.config.liveness,
-        "log_dir": str(broker.config.log_dir),
-        "draining": broker.draining,
-        "idle_exit_s": broker.config.idle_exit_s,
-        "default_timeout_s": broker.config.default_timeout_s,
-        "max_tasks_per_group": broker.config.max_tasks_per_group,
-        "max_rss_growth_mb": broker.config.max_rss_growth_mb,
-        "timings_file": str(broker.config.timings_file or ""),
-        "adaptive_timeout": broker.config.adaptive_timeout,
-        "adaptive_k": broker.config.adaptive_k,
-        "adaptive_floor_s": broker.config.adaptive_floor_s,
-        "history_tests": len(broker.history.slowest),
+        "started_at": started_at,
+        "uptime_s": clock.time() - started_at,
+        "gpus": config.gpus,
+        "gpus_free": pools.resources.free_gpus(),
+        "max_ranks": config.max_ranks,
+        "heartbeat_s": config.heartbeat_s,
+        "liveness": config.liveness,
+        "log_dir": str(config.log_dir),
+        "draining": tasks.draining,
+        "idle_exit_s": config.idle_exit_s,
+        "default_timeout_s": config.default_timeout_s,
+        "max_tasks_per_group": config.max_tasks_per_group,
+        "max_rss_growth_mb": config.max_rss_growth_mb,
+        "timings_file": str(config.timings_file or ""),
+        "adaptive_timeout": config.adaptive_timeout,
+        "adaptive_k": config.adaptive_k,
+        "adaptive_floor_s": config.adaptive_floor_s,
+        "history_tests": len(tasks.history.slowest),
     }
 
 
-def status(broker: Broker) -> dict[str, Any]:
+def status(
+    config: BrokerConfig,
+    pools: Pools,
+    tasks: Tasks,
+    clients: dict[bytes, Client],
+    totals: Totals,
+    started_at: float,
+    clock: Clock,
+) -> dict[str, Any]:
     """Everything: the broker, every group, the waiting queues, the clients, the totals."""
-    now = time.monotonic()
-    pools = [_pool(broker, group, now) for group in broker.groups.values()]
+    now = clock.monotonic()
+    queues = tasks.queues
     queue = [
         {
             "spec": spec.label(),
             "world_size": spec.world_size,
-            "depth": broker.queues.depth(spec),
-            "oldest_wait_s": now - broker.queues.by_spec[spec].oldest(),
+            "depth": queues.depth(spec),
+            "oldest_wait_s": now - queues.by_spec[spec].oldest(),
         }
-        for spec in broker.queues.waiting_specs()
+        for spec in queues.waiting_specs()
     ]
-    clients = [
+    client_rows = [
         {
             "id": c.identity.hex(),
             "host": c.info.get("host", ""),
@@ -73,18 +85,18 @@ def status(broker: Broker) -> dict[str, Any]:
             "submitted": c.submitted,
             "last_seen_s": now - c.last_seen,
         }
-        for c in broker.clients.values()
+        for c in clients.values()
     ]
     return {
-        "broker": describe(broker),
-        "pools": pools,
+        "broker": describe(config, pools, tasks, started_at, clock),
+        "pools": [_pool(pools, group, now) for group in pools.groups.values()],
         "queue": queue,
-        "clients": clients,
-        "totals": vars(broker.totals).copy(),
+        "clients": client_rows,
+        "totals": vars(totals).copy(),
     }
 
 
-def _pool(broker: Broker, group: Group, now: float) -> dict[str, Any]:
+def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
     """One group as cpq-status shows it."""
     task = group.task
     ws = group.spec.world_size
@@ -92,7 +104,7 @@ def _pool(broker: Broker, group: Group, now: float) -> dict[str, Any]:
         "id": group.id,
         "spec": group.spec.label(),
         "world_size": group.spec.world_size,
-        "backend": broker.resources.backend_for(group.spec),
+        "backend": pools.resources.backend_for(group.spec),
         "env": dict(group.spec.env),
         "gpus": group.process.gpus,
         "state": group.state,

@@ -1,4 +1,4 @@
-"""``python -m cpq.launch <torchrun args>``: torchrun that dies with the broker.
+"""``python -m cpq.rank.launch <torchrun args>``: torchrun that dies with the broker.
 
 The broker starts every group through this shim rather than the ``torchrun`` script so the
 agent process carries a parent-death signal; ``preexec_fn`` would do the same but is unsafe

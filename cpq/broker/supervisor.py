@@ -1,6 +1,6 @@
-"""Starting and killing one torchrun worker group (broker side).
+"""Starting and killing one group (one torchrun and its ranks), broker side.
 
-A group is ``python -m cpq.launch --standalone --nproc-per-node W -m cpq.worker`` in a
+A group is ``python -m cpq.rank.launch --standalone --nproc-per-node W -m cpq.rank`` in a
 process session of its own. torchrun starts every rank in yet another session, so killing
 "the group" means killing a process tree: the agent, everything below it, and every rank
 pid the ranks reported themselves. Killing never blocks the broker's event loop: SIGTERM
@@ -77,7 +77,7 @@ class GroupProcess:
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }
         )
-        # The worker must import cpq itself; the spec's roots let it import the user's code.
+        # The rank must import cpq itself; the spec's roots let it import the user's code.
         env["PYTHONPATH"] = os.pathsep.join(
             [p for p in [*self.spec.roots, env.get("PYTHONPATH", "")] if p]
         )
@@ -87,7 +87,7 @@ class GroupProcess:
         return [
             self.spec.python,
             "-m",
-            "cpq.launch",
+            "cpq.rank.launch",
             "--standalone",
             "--nproc-per-node",
             str(self.spec.world_size),
@@ -96,7 +96,7 @@ class GroupProcess:
             "--monitor-interval",
             "0.1",
             "-m",
-            "cpq.worker",
+            "cpq.rank",
         ]
 
     def start(self) -> None:

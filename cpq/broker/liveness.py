@@ -9,7 +9,7 @@ under a passing test, a client's queued tasks dropped.
 The broker shares a node with its ranks (and usually with its clients), so it can look at
 a silent peer's process: a main thread whose CPU time grows is computing, and the peer is
 alive. A stopped (SIGSTOP), deadlocked, blocked or dead peer burns no CPU and is declared
-dead on time, as DESIGN.md's liveness rule says; what bounds a busy rank is its task's
+dead on time, as ``docs/design.md``'s liveness rule says; what bounds a busy rank is its task's
 deadline. The watch starts only once a peer has been quiet for a while, so a healthy node
 pays nothing for it.
 """
@@ -40,15 +40,6 @@ def main_thread_cpu_s(pid: int) -> float | None:
     return (user_ticks + system_ticks) / _CLOCK_TICKS
 
 
-def pid_namespace() -> int | None:
-    """This process's pid namespace (an inode number): a pid means the same process to two
-    processes only if they share it, as a broker and a client in one container do."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
 @dataclass
 class BusyWatch:
     """One peer's quiet spell: is its main thread still making progress?"""
@@ -72,3 +63,17 @@ class BusyWatch:
                 self.computing_seen, self.busy = now, True
             self.cpu_mark = cpu
         return now - max(last_seen, self.computing_seen)
+
+
+def check(
+    watch: BusyWatch, now: float, last_seen: float, pid: int | None, heartbeat_s: float
+) -> tuple[float, bool]:
+    """``(quiet seconds, just excused as busy)`` for one peer at ``now``.
+
+    ``pid`` is the process to watch for CPU progress once the peer is quiet, or None for
+    silence alone; the second value is True on the look that first finds it computing
+    (the broker counts and logs those as ``busy_silences``).
+    """
+    was_busy = watch.busy
+    quiet = watch.quiet_for(now, last_seen, pid, heartbeat_s * 1.5)
+    return quiet, watch.busy and not was_busy

@@ -1,4 +1,4 @@
-"""File-descriptor level capture of one task's stdout and stderr (worker side).
+"""File-descriptor level capture of one task's stdout and stderr (rank side).
 
 Capturing ``sys.stdout`` alone would miss what C++ and CUDA libraries write (NCCL warnings,
 TE's kernel messages), so fds 1 and 2 themselves are pointed at temporary files for the

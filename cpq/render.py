@@ -1,11 +1,18 @@
-"""Human-readable views of a broker's status and of one task's verdict."""
+"""Human-readable views: a broker's status, one task's verdict, the timing history.
+
+Client side (``cpq-status``, ``cpq submit``); renders the plain dicts the broker sends and
+the records :mod:`cpq.timings` reads. One duration formatter, :func:`fmt_duration`.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 from typing import Any
 
 from cpq.protocol import TaskResult
+from cpq.timings import history_key
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -20,11 +27,14 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _secs(value: float | None) -> str:
+def fmt_duration(value: float | None) -> str:
+    """A duration for a table cell: "-", "370ms", "2.41s", "3.5m", "2.1h"."""
     if value is None:
         return "-"
+    if value < 1:
+        return f"{value * 1000:.0f}ms"
     if value < 120:
-        return f"{value:.1f}s"
+        return f"{value:.2f}s"
     if value < 7200:
         return f"{value / 60:.1f}m"
     return f"{value / 3600:.1f}h"
@@ -42,7 +52,7 @@ def render(status: dict[str, Any]) -> str:
     free = broker.get("gpus_free") or []
     lines = [
         f"cpq-broker {broker['version']}  pid {broker['pid']}  {broker['endpoint']}  "
-        f"up {_secs(broker['uptime_s'])}" + ("  DRAINING" if broker.get("draining") else ""),
+        f"up {fmt_duration(broker['uptime_s'])}" + ("  DRAINING" if broker.get("draining") else ""),
         f"GPUs: {','.join(gpus) or 'none'} ({len(gpus)} owned, {len(free)} free: "
         f"{','.join(free) or '-'})  max CPU ranks: {broker['max_ranks']}",
         "",
@@ -54,10 +64,12 @@ def render(status: dict[str, Any]) -> str:
             task = p.get("task") or {}
             current = ""
             if task:
-                deadline = f"/{_secs(task.get('deadline_s'))}" if task.get("deadline_s") else ""
+                deadline = (
+                    f"/{fmt_duration(task.get('deadline_s'))}" if task.get("deadline_s") else ""
+                )
                 current = (
                     f"{task.get('test_id') or task.get('target')} "
-                    f"({_secs(task.get('elapsed_s'))}{deadline})"
+                    f"({fmt_duration(task.get('elapsed_s'))}{deadline})"
                 )
             elif p["state"] == "stopping" and p.get("stop_reason"):
                 current = f"({p['stop_reason']})"
@@ -69,9 +81,9 @@ def render(status: dict[str, Any]) -> str:
                     ",".join(p["gpus"]) or "-",
                     p["state"],
                     p["pid"],
-                    _secs(p["uptime_s"]),
+                    fmt_duration(p["uptime_s"]),
                     p["tasks_done"],
-                    _secs(p.get("last_heartbeat_s")),
+                    fmt_duration(p.get("last_heartbeat_s")),
                     _per_rank(p.get("rss_mb")),
                     _per_rank(cuda) if any(cuda) else "-",
                     current,
@@ -102,7 +114,10 @@ def render(status: dict[str, Any]) -> str:
         lines.append(
             table(
                 ["queued spec", "depth", "oldest wait"],
-                [[q["spec"], q["depth"], _secs(q["oldest_wait_s"])] for q in status["queue"]],
+                [
+                    [q["spec"], q["depth"], fmt_duration(q["oldest_wait_s"])]
+                    for q in status["queue"]
+                ],
             )
         )
         lines.append("")
@@ -363,4 +378,60 @@ def render_result(result: TaskResult) -> str:
                 lines.append(f"--- rank {rank.rank} {stream} ---\n{text.rstrip()}")
     if result.value is not None:
         lines.append(f"value: {result.value!r}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- timings
+
+
+def _when(epoch: float | None) -> str:
+    return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
+
+
+def render_timings(summary: dict[str, Any], path: Path) -> str:
+    """The ``cpq-status --timings`` screen: a per-test table, then the slowest runs."""
+    if not summary["records"]:
+        return f"no timing history in {path} (the broker writes one line per finished task)"
+    tests = summary["tests"]
+    lines = [
+        f"timing history {path}: {summary['records']} tasks, {len(tests)} tests, "
+        f"{_when(summary['first_at'])} .. {_when(summary['last_at'])}",
+        "",
+        table(
+            ["test", "runs", "fail", "err", "retry", "p50", "p95", "max"],
+            [
+                [
+                    e["test"],
+                    e["runs"],
+                    e["failed"],
+                    e["errors"],
+                    e["retries"],
+                    fmt_duration(e["p50_s"]),
+                    fmt_duration(e["p95_s"]),
+                    fmt_duration(e["max_s"]),
+                ]
+                for e in tests
+            ],
+        ),
+    ]
+    if summary["slowest"]:
+        lines += [
+            "",
+            f"{len(summary['slowest'])} slowest runs:",
+            table(
+                ["duration", "test", "outcome", "spec", "queued", "group", "finished"],
+                [
+                    [
+                        fmt_duration(t["duration_s"]),
+                        history_key(t["test_id"], t["target"]),
+                        t["outcome"] + (f" (attempt {t['attempts']})" if t["retries"] else ""),
+                        t["spec"],
+                        fmt_duration(t["queue_s"]),
+                        t["group_id"] or "-",
+                        _when(t["finished_at"]),
+                    ]
+                    for t in summary["slowest"]
+                ],
+            ),
+        ]
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""Worker side of the pytest plugin: run one marked test function inside a rank.
+"""Rank side of the pytest plugin: run one marked test function inside a rank.
 
-The plugin sends ``cpq.pytest_task:run_test`` with the test file's path and the function's
+The plugin sends ``cpq.rank.pytest_task:run_test`` with the test file's path and the function's
 qualified name. Loading the file by path (rather than importing the test module by name)
 makes the ranks independent of pytest's import mode, and lets us compile it with pytest's
 assertion rewriting so a failing ``assert a == b`` on a rank explains itself like it would

@@ -1,0 +1,7 @@
+"""``python -m cpq``: the ``cpq`` command (see ``python -m cpq --help``)."""
+
+import sys
+
+from cpq.cli import main
+
+sys.exit(main())

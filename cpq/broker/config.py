@@ -1,0 +1,46 @@
+"""``BrokerConfig``: everything ``cpq-broker``'s command line sets (see ``cpq-broker --help``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpq.protocol import PoolSpec
+from cpq.timings import DEFAULT_MAX_BYTES
+
+
+@dataclass
+class BrokerConfig:
+    endpoint: str
+    state_dir: Path
+    log_dir: Path
+    gpus: list[str] = field(default_factory=list)
+    max_ranks: int = 8
+    oversubscribe: bool = False
+    heartbeat_s: float = 1.0
+    liveness: int = 5
+    idle_exit_s: float = 0.0
+    start_timeout_s: float = 300.0
+    failure_grace_s: float = 3.0
+    stack_wait_s: float = 2.0
+    kill_grace_s: float = 3.0
+    max_tasks_per_group: int = 0
+    default_timeout_s: float = 90.0
+    insecure: bool = False
+    scale_up_after_s: float = 1.0
+    #: Finished tasks are appended here, one JSON line each (None: keep no history).
+    timings_file: Path | None = None
+    timings_max_bytes: int = DEFAULT_MAX_BYTES
+    #: Learned deadlines: max(floor, k x the slowest passing run) for tasks with history.
+    adaptive_timeout: bool = False
+    adaptive_k: float = 3.0
+    adaptive_floor_s: float = 30.0
+    #: Recycle a group after a task once a rank's RSS grew this much since ready (0: never).
+    max_rss_growth_mb: float = 0.0
+    #: Groups to start at start-up, as (spec, count) (``--warm``).
+    warm: list[tuple[PoolSpec, int]] = field(default_factory=list)
+
+    @property
+    def silence_s(self) -> float:
+        """A peer silent this long (and not computing) is dead."""
+        return self.heartbeat_s * self.liveness

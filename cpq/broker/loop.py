@@ -1,0 +1,464 @@
+"""The broker: one event loop between clients (frontend ROUTER) and ranks (backend ROUTER).
+
+Every incoming message is decoded by :mod:`cpq.protocol` and dispatched through a handler
+table keyed by message class, one table per socket, built once (the way pytest-xdist's
+DSession dispatches ``worker_<event>``). A message of a class the socket's table does not
+hold (a client's ``hello`` on the ranks' socket, a rank's report on the clients') is
+dropped, counted as ``malformed`` and logged; the broker keeps serving. Everything
+time-driven (heartbeats, deadlines, the grace after a rank failed, kill escalation, start
+time-outs, idle exit) happens in :meth:`Broker.tick`, which the loop runs at least every
+``TICK_S``; polls are never infinite.
+
+The loop is the only place that coordinates :class:`~cpq.broker.pools.Pools` (groups) and
+:class:`~cpq.broker.tasks.Tasks` (the task lifecycle): after every event it carries out
+what they asked for (:meth:`Broker.settle`) and then schedules queued tasks onto idle
+groups. See ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from cpq import protocol
+from cpq.broker import snapshot
+from cpq.broker.clock import Clock, SystemClock
+from cpq.broker.config import BrokerConfig
+from cpq.broker.liveness import check as liveness_check
+from cpq.broker.model import Client, Group, Rank, Totals
+from cpq.broker.pools import Pools, ProcessFactory, real_process
+from cpq.broker.tasks import Tasks
+from cpq.broker.transport import BrokerAlreadyRunning, Transport
+from cpq.protocol import PoolSpec
+
+log = logging.getLogger("cpq.broker")
+
+TICK_S = 0.05
+#: Messages handled from one socket before the other gets its turn.
+DRAIN_BUDGET = 1000
+
+__all__ = ["TICK_S", "Broker", "BrokerAlreadyRunning", "BrokerConfig", "detect_gpus", "run_broker"]
+
+
+class Wire(Protocol):
+    """What the loop needs of its sockets: :class:`~cpq.broker.transport.Transport`, or
+    a fake in unit tests."""
+
+    backend_endpoint: str
+    on_client_gone: Callable[[bytes], None]
+
+    def bind(self) -> None: ...
+
+    def poll(self, timeout_s: float) -> tuple[bool, bool]: ...
+
+    def recv_client(self) -> list[bytes] | None: ...
+
+    def recv_rank(self) -> list[bytes] | None: ...
+
+    def send_client(self, identity: bytes, message: protocol.Message | bytes) -> None: ...
+
+    def send_rank(self, identity: bytes, frame: bytes) -> bool: ...
+
+    def flush_outbox(self) -> None: ...
+
+    def send_heartbeats(self, clients: list[bytes], ranks: list[bytes]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+ClientHandler = Callable[[Client, Any], None]
+RankHandler = Callable[[Group, Rank, Any], None]
+
+
+class Broker:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        transport: Wire | None = None,
+        clock: Clock | None = None,
+        process_factory: ProcessFactory = real_process,
+    ) -> None:
+        self.config = config
+        self.clock: Clock = clock or SystemClock()
+        self.transport: Wire = transport or Transport(config)
+        self.transport.on_client_gone = self._client_gone
+        self.totals = Totals()
+        self.clients: dict[bytes, Client] = {}
+        self.pools = Pools(
+            config,
+            self.clock,
+            self.totals,
+            self.transport.send_rank,
+            self.transport.backend_endpoint,
+            process_factory,
+        )
+        self.tasks = Tasks(
+            config,
+            self.clock,
+            self.totals,
+            self.clients,
+            self.pools.resources,
+            self.transport.send_client,
+            self.transport.send_rank,
+        )
+        self.started_at = self.clock.time()
+        self.idle_since = self.clock.monotonic()
+        self.stopping = False
+        self._last_heartbeat = -float("inf")
+        self.client_handlers: dict[type[protocol.Message], ClientHandler] = {
+            protocol.Hello: self.client_hello,
+            protocol.Heartbeat: lambda client, message: None,
+            protocol.Goodbye: lambda client, message: self.drop_client(client, "said goodbye"),
+            protocol.StatusRequest: self.client_status,
+            protocol.StopRequest: self.client_stop,
+            protocol.Submit: self.client_submit,
+            protocol.Cancel: lambda client, message: self.tasks.cancel(client, message.task_id),
+            protocol.Warm: self.client_warm,
+        }
+        self.rank_handlers: dict[type[protocol.Message], RankHandler] = {
+            protocol.Heartbeat: lambda group, rank, message: None,
+            protocol.RankReady: self.rank_ready,
+            protocol.RankDone: self.rank_done,
+            protocol.RankStacks: lambda group, rank, message: self.tasks.rank_stacks(
+                group, rank.rank, message
+            ),
+        }
+
+    @property
+    def draining(self) -> bool:
+        return self.tasks.draining
+
+    # ---- running
+
+    def bind(self) -> None:
+        self.transport.bind()
+
+    def serve(self) -> None:
+        next_tick = 0.0
+        while not self.stopping:
+            clients_sent, ranks_sent = self.transport.poll(TICK_S)
+            if ranks_sent:
+                self._drain(self.transport.recv_rank, self.on_rank_frames)
+            if clients_sent:
+                self._drain(self.transport.recv_client, self.on_client_frames)
+            now = self.clock.monotonic()
+            if now >= next_tick:
+                self.tick(now)
+                next_tick = now + TICK_S
+
+    def _drain(
+        self, recv: Callable[[], list[bytes] | None], handle: Callable[[list[bytes]], None]
+    ) -> None:
+        """Handle what is waiting (bounded, so one side cannot starve the other)."""
+        for _ in range(DRAIN_BUDGET):
+            frames = recv()
+            if frames is None:
+                return
+            handle(frames)
+
+    def close(self) -> None:
+        self.pools.close(time.sleep)
+        self.transport.close()
+        log.info("broker stopped")
+
+    # ---- clients
+
+    def on_client_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.totals.malformed += 1
+            log.warning(
+                "dropping a message of %d frames (expected 1 payload frame)", len(frames) - 1
+            )
+            if frames:
+                self.transport.send_client(
+                    frames[0], protocol.ErrorReply("expected exactly one payload frame")
+                )
+            return
+        identity, frame = frames
+        client = self.clients.get(identity)
+        if client is None:
+            now = self.clock.monotonic()
+            client = self.clients[identity] = Client(
+                identity, last_seen=now, connected_at=self.clock.time()
+            )
+        client.last_seen = self.clock.monotonic()
+        try:
+            message = protocol.decode(frame)
+        except protocol.ProtocolError as exc:
+            self.totals.malformed += 1
+            log.warning("malformed message from client %s: %s", identity.hex(), exc)
+            self.transport.send_client(identity, protocol.ErrorReply(f"malformed message: {exc}"))
+            return
+        handler = self.client_handlers.get(type(message))
+        if handler is None:
+            self.totals.malformed += 1
+            log.warning(
+                "dropping %r from client %s: not a client message", message.KIND, identity.hex()
+            )
+            self.transport.send_client(
+                identity, protocol.ErrorReply(f"{message.KIND!r} is not a client message")
+            )
+            return
+        handler(client, message)
+        self.settle()
+
+    def client_hello(self, client: Client, message: protocol.Hello) -> None:
+        client.info = message.client
+        client.greeted = True
+        self.transport.send_client(client.identity, protocol.Welcome(self.describe()))
+
+    def client_status(self, client: Client, message: protocol.StatusRequest) -> None:
+        self.transport.send_client(client.identity, protocol.StatusReply(self.status()))
+
+    def client_stop(self, client: Client, message: protocol.StopRequest) -> None:
+        log.info("stop requested (drain=%s)", message.drain)
+        self.transport.send_client(client.identity, protocol.StatusReply(self.status()))
+        if message.drain:
+            self.tasks.draining = True
+        else:
+            self.stop_now("the broker was stopped (cpq stop)")
+
+    def client_submit(self, client: Client, message: protocol.Submit) -> None:
+        self.tasks.submit(client, message)
+
+    def client_warm(self, client: Client, message: protocol.Warm) -> None:
+        if self.draining:
+            return  # a draining broker is on its way out: no new groups for future tasks
+        for index, spec in enumerate(message.specs):
+            if self.pools.resources.impossible(spec):
+                continue
+            wanted = message.counts[index] if index < len(message.counts) else 1
+            for _ in range(max(0, wanted - len(self.pools.live(spec)))):
+                if self.pools.start(spec) is None:
+                    break
+
+    def warm_up(self) -> None:
+        """Start the ``--warm`` groups now, so the first clients find them ready.
+
+        They only serve clients whose spec is equal, roots and interpreter included (see
+        ``cpq-broker --help`` on ``--warm-root``); a mismatch leaves them idle, never wrong.
+        """
+        for spec, count in self.config.warm:
+            impossible = self.pools.resources.impossible(spec)
+            if impossible:
+                log.warning("--warm %s: %s", spec.label(), impossible)
+                continue
+            for started in range(count):
+                if self.pools.start(spec) is None:
+                    log.warning(
+                        "--warm %s: room for %d of %d groups only", spec.label(), started, count
+                    )
+                    break
+        self.settle()
+
+    def drop_client(self, client: Client, why: str) -> None:
+        self.clients.pop(client.identity, None)
+        dropped = self.tasks.drop_client(client)
+        if dropped or client.in_flight:
+            log.info("client %s %s: dropped %d queued task(s)", client.identity.hex(), why, dropped)
+
+    def _client_gone(self, identity: bytes) -> None:
+        client = self.clients.get(identity)
+        if client is not None:
+            self.drop_client(client, "is gone")
+
+    # ---- ranks
+
+    def on_rank_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.totals.malformed += 1
+            log.warning(
+                "dropping a message of %d frames (expected 1 payload frame)", len(frames) - 1
+            )
+            return
+        identity, frame = frames
+        try:
+            message = protocol.decode(frame)
+        except protocol.ProtocolError as exc:
+            self.totals.malformed += 1
+            log.warning("malformed message from rank peer %s: %s", identity.hex(), exc)
+            return
+        if isinstance(message, protocol.RankHello):
+            self.pools.rank_hello(identity, message)
+            return
+        known = self.pools.ranks.get(identity)
+        if known is None:
+            log.warning("dropping %r from an unknown rank peer %s", message.KIND, identity.hex())
+            return
+        group, rank = known
+        rank.last_seen = self.clock.monotonic()
+        handler = self.rank_handlers.get(type(message))
+        if handler is None:
+            self.totals.malformed += 1
+            log.warning(
+                "dropping %r from rank %d of group %s: not a rank message",
+                message.KIND,
+                rank.rank,
+                group.id,
+            )
+            return
+        handler(group, rank, message)
+        self.settle()
+
+    def rank_ready(self, group: Group, rank: Rank, message: protocol.RankReady) -> None:
+        self.pools.rank_ready(group, rank, message)
+
+    def rank_done(self, group: Group, rank: Rank, message: protocol.RankDone) -> None:
+        self.pools.rank_report(group, rank, message)
+        self.tasks.rank_done(group, rank.rank, message)
+
+    # ---- coordination
+
+    def settle(self) -> None:
+        """Carry out what pools and tasks asked for, then schedule, until nothing is left."""
+        while True:
+            for request in self.tasks.take_group_requests():
+                if request.stop_reason:
+                    self.pools.stop(request.group, request.stop_reason)
+                else:
+                    self.pools.release(request.group)
+            failures = self.pools.take_failures()
+            for failure in failures:
+                group = failure.group
+                if failure.task is not None:
+                    self.tasks.infra_error(failure.task, f"{failure.reason} (group {group.id})")
+                elif failure.was_starting and not self.pools.serving(group.spec):
+                    self.tasks.start_failed(
+                        group.spec,
+                        f"group {group.id} could not start: {failure.reason}",
+                        failure.log_tail,
+                    )
+            if not failures and not self.tasks.group_requests:
+                self.schedule()
+                if not self.pools.failures and not self.tasks.group_requests:
+                    return
+
+    def schedule(self) -> None:
+        """Queued tasks onto idle groups of their spec; grow pools that fall behind."""
+        if self.stopping:
+            return
+        queues = self.tasks.queues
+        for spec in queues.waiting_specs():
+            while queues.depth(spec):
+                group = self.pools.idle_group(spec)
+                if group is None:
+                    break
+                task = queues.pop(spec)
+                assert task is not None
+                self.pools.assign(group, task)
+                unreachable = self.tasks.start(task, group)
+                if unreachable:
+                    self.pools.fail(group, unreachable)
+                    return  # settle() carries the failure out and schedules again
+            if queues.depth(spec) and self.pools.should_grow(spec, queues.by_spec[spec].oldest()):
+                self.pools.start(spec, evict=not self.pools.live(spec), queued=self._queued)
+
+    def _queued(self, spec: PoolSpec) -> bool:
+        return self.tasks.queues.depth(spec) > 0
+
+    # ---- time
+
+    def tick(self, now: float) -> None:
+        self.transport.flush_outbox()
+        if now - self._last_heartbeat >= self.config.heartbeat_s:
+            self._last_heartbeat = now
+            self.transport.send_heartbeats(
+                [i for i, c in self.clients.items() if c.greeted], list(self.pools.ranks)
+            )
+        for client in list(self.clients.values()):
+            quiet, excused = liveness_check(
+                client.busy_watch,
+                now,
+                client.last_seen,
+                client.local_pid(),
+                self.config.heartbeat_s,
+            )
+            if excused:
+                self.totals.busy_silences += 1
+                log.warning(
+                    "%s silent for %.1fs but computing (holding the GIL in native code?): "
+                    "busy, not dead",
+                    client.label(),
+                    now - client.last_seen,
+                )
+            if quiet > self.config.silence_s:
+                self.drop_client(client, f"silent for {now - client.last_seen:.1f}s")
+        self.pools.tick(now)
+        self.settle()
+        self.tasks.tick(now)
+        self.settle()  # also: queued tasks may have waited long enough to grow a pool
+        if self.draining and not self.tasks.tasks:
+            self.stop_now("drained")
+        if self.tasks.tasks or self.clients:
+            self.idle_since = now
+        elif self.config.idle_exit_s and now - self.idle_since > self.config.idle_exit_s:
+            log.info("idle for %.0fs; exiting", now - self.idle_since)
+            self.stop_now("idle")
+
+    def stop_now(self, why: str) -> None:
+        self.tasks.stop_all(why)
+        self.transport.flush_outbox()
+        self.stopping = True
+
+    # ---- status
+
+    def describe(self) -> dict[str, Any]:
+        return snapshot.describe(self.config, self.pools, self.tasks, self.started_at, self.clock)
+
+    def status(self) -> dict[str, Any]:
+        return snapshot.status(
+            self.config,
+            self.pools,
+            self.tasks,
+            self.clients,
+            self.totals,
+            self.started_at,
+            self.clock,
+        )
+
+
+# --------------------------------------------------------------------------- running
+
+
+def detect_gpus(requested: str) -> list[str]:
+    """``--gpus``: ``auto`` (CUDA_VISIBLE_DEVICES, else nvidia-smi), ``none``, or a list."""
+    if requested == "none":
+        return []
+    if requested != "auto":
+        return [g.strip() for g in requested.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=20, check=True
+        )
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def run_broker(config: BrokerConfig) -> None:
+    broker = Broker(config)
+    broker.bind()
+    broker.warm_up()
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        broker.stop_now(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        broker.serve()
+    finally:
+        broker.close()

@@ -1,0 +1,154 @@
+"""The broker's state as plain data: clients, tasks, groups and their ranks, the totals.
+
+No behaviour beyond small derived values: :mod:`cpq.broker.pools` changes groups and ranks,
+:mod:`cpq.broker.tasks` changes tasks, :mod:`cpq.broker.loop` clients. Timestamps are
+passed in from the broker's :class:`~cpq.broker.clock.Clock` (no field reads a clock).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cpq import protocol
+from cpq.broker.liveness import BusyWatch
+from cpq.osutil import pid_namespace
+from cpq.protocol import PoolSpec, RankResult
+
+# Which clients' processes this broker can look at (see Client.local_pid).
+_HOST, _PIDNS = socket.gethostname(), pid_namespace()
+
+
+class GroupProcess(Protocol):
+    """What the broker needs of a group's process tree (:mod:`cpq.broker.supervisor`)."""
+
+    group_id: str
+    token: str
+    gpus: list[str]
+    rank_pids: set[int]
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def exit_code(self) -> int | None: ...
+
+    def log_tail(self, max_bytes: int = 4000) -> str: ...
+
+    def terminate(self, grace_s: float) -> None: ...
+
+    def reap(self) -> bool: ...
+
+
+@dataclass
+class Client:
+    identity: bytes
+    info: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0
+    connected_at: float = 0.0  # wall clock
+    in_flight: set[str] = field(default_factory=set)
+    submitted: int = 0
+    #: Said hello. Only greeted clients get heartbeats: a client the broker dropped (silent
+    #: too long) or never knew (it outlived a broker restart) hears nothing, so it reports
+    #: BrokerUnavailable instead of waiting forever for tasks this broker does not have.
+    greeted: bool = False
+    busy_watch: BusyWatch = field(default_factory=BusyWatch)
+
+    def local_pid(self) -> int | None:
+        """The client's pid if this broker can look at its process: same host and same pid
+        namespace (a client in another container has its own pids)."""
+        pid = self.info.get("pid")
+        same_node = self.info.get("host") == _HOST
+        same_pids = self.info.get("pidns") is not None and self.info["pidns"] == _PIDNS
+        return pid if same_node and same_pids and isinstance(pid, int) and pid > 0 else None
+
+    def label(self) -> str:
+        return f"client {self.info.get('name') or self.identity.hex()}"
+
+
+@dataclass
+class Task:
+    client: bytes
+    submit: protocol.Submit
+    spec: PoolSpec
+    timeout_s: float
+    queued_at: float = 0.0
+    attempts: int = 1
+    notes: list[str] = field(default_factory=list)
+    group: Group | None = None
+    started_at: float = 0.0
+    deadline: float = 0.0
+    results: dict[int, RankResult] = field(default_factory=dict)
+    grace_until: float | None = None
+    # Stack collection (after a deadline or a peer's failure): why, until when, what came back.
+    stacks_reason: str = ""
+    stacks_until: float | None = None
+    stacks: dict[int, str] = field(default_factory=dict)
+    orphaned: bool = False
+    first_queued_at: float = 0.0
+    # The deadline the client asked for; with --adaptive-timeout, ``timeout_s`` may be a
+    # learned one instead, and ``deadline_note`` says how it was learned.
+    requested_timeout_s: float = 0.0
+    deadline_note: str = ""
+    last_group_id: str = ""  # survives a retry's reset of ``group``, for the timing history
+
+    @property
+    def key(self) -> str:
+        return task_key(self.client, self.submit.task_id)
+
+
+def task_key(client: bytes, task_id: str) -> str:
+    return f"{client.hex()}:{task_id}"
+
+
+@dataclass
+class Rank:
+    identity: bytes
+    rank: int
+    pid: int
+    last_seen: float = 0.0
+    ready: bool = False
+    busy_watch: BusyWatch = field(default_factory=BusyWatch)
+
+
+@dataclass
+class Group:
+    id: str
+    spec: PoolSpec
+    process: GroupProcess
+    state: str = "starting"  # starting | idle | busy | stopping
+    ranks: dict[int, Rank] = field(default_factory=dict)
+    task: Task | None = None
+    tasks_done: int = 0
+    started_at: float = 0.0
+    started_wall: float = 0.0
+    ready_after_s: float | None = None
+    ready_at: float = 0.0
+    last_used: float = 0.0
+    rss_mb: dict[int, float] = field(default_factory=dict)
+    stop_reason: str = ""
+    rss_ready_mb: dict[int, float] = field(default_factory=dict)  # baseline for growth
+    cuda_mb: dict[int, float] = field(default_factory=dict)
+    cuda_reserved_mb: dict[int, float] = field(default_factory=dict)
+    unfit: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot go on
+
+
+@dataclass
+class Totals:
+    submitted: int = 0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    errors: int = 0
+    retries: int = 0
+    rejected: int = 0
+    groups_started: int = 0
+    groups_failed: int = 0
+    group_start_s: float = 0.0
+    #: Undecodable frames, and messages on the wrong socket (a client's on the ranks').
+    malformed: int = 0
+    groups_recycled: int = 0
+    timings_write_errors: int = 0
+    busy_silences: int = 0  # ranks or clients silent past liveness but computing: not dead

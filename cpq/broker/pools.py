@@ -1,0 +1,357 @@
+"""Pools: the groups (one torchrun each), their ranks, and the resources they hold.
+
+A pool is every group of one :class:`~cpq.protocol.PoolSpec`. This module starts groups
+(evicting idle groups of other specs when GPUs are short), stops and reaps them, recycles
+them after a task, and watches them every tick: torchrun's exit code, silent ranks, a start
+that takes too long. What goes wrong is reported as :class:`GroupFailed` events in
+:attr:`Pools.failures`; pools never call the task lifecycle, the loop (:mod:`cpq.broker.loop`)
+turns a failure into a retry or a verdict. See ``docs/design.md``, "Liveness".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cpq import protocol
+from cpq.broker import liveness
+from cpq.broker.clock import Clock
+from cpq.broker.config import BrokerConfig
+from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals
+from cpq.broker.scheduler import Resources
+from cpq.protocol import PoolSpec
+
+log = logging.getLogger("cpq.broker")
+
+#: Makes a group's process: (group id, spec, dist backend, GPUs, backend endpoint,
+#: heartbeat s, liveness, log dir). :class:`cpq.broker.supervisor.GroupProcess` in a real
+#: broker, a fake in unit tests.
+ProcessFactory = Callable[[str, PoolSpec, str, list[str], str, float, int, Path], GroupProcess]
+
+
+def real_process(
+    group_id: str,
+    spec: PoolSpec,
+    backend: str,
+    gpus: list[str],
+    backend_endpoint: str,
+    heartbeat_s: float,
+    liveness_: int,
+    log_dir: Path,
+) -> GroupProcess:
+    from cpq.broker.supervisor import GroupProcess as Real
+
+    return Real(group_id, spec, backend, gpus, backend_endpoint, heartbeat_s, liveness_, log_dir)
+
+
+@dataclass
+class GroupFailed:
+    """A group died, went silent or never came up (it is stopping now)."""
+
+    group: Group
+    reason: str
+    task: Task | None  # the task it was running, if any
+    was_starting: bool
+    log_tail: str
+
+
+class Pools:
+    """Every group of this broker, by id, and every registered rank, by socket identity."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        clock: Clock,
+        totals: Totals,
+        send_rank: Callable[[bytes, bytes], bool],
+        backend_endpoint: str,
+        process_factory: ProcessFactory = real_process,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.totals = totals
+        self.send_rank = send_rank
+        self.backend_endpoint = backend_endpoint
+        self.process_factory = process_factory
+        self.resources = Resources(config.gpus, config.max_ranks, config.oversubscribe)
+        self.groups: dict[str, Group] = {}
+        self.ranks: dict[bytes, tuple[Group, Rank]] = {}
+        self.failures: list[GroupFailed] = []
+        self._group_seq = 0
+        self._shutdown = protocol.encode(protocol.Shutdown())
+
+    # ---- looking
+
+    def live(self, spec: PoolSpec) -> list[Group]:
+        return [g for g in self.groups.values() if g.spec == spec and g.state != "stopping"]
+
+    def serving(self, spec: PoolSpec) -> bool:
+        """A group of ``spec`` is starting or idle: it may still serve queued tasks."""
+        return any(g.spec == spec and g.state in ("starting", "idle") for g in self.groups.values())
+
+    def idle_group(self, spec: PoolSpec) -> Group | None:
+        idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
+        return max(idle, key=lambda g: g.last_used) if idle else None
+
+    def should_grow(self, spec: PoolSpec, oldest_queued_at: float) -> bool:
+        """Start another group of ``spec`` for its queued tasks?
+
+        Always when it has none. Otherwise only when none is already starting and the oldest
+        task has waited ``scale_up_after_s``: a warm group clears a queue of fast tests in
+        milliseconds, far sooner than a new group could start, so extra groups are for
+        queues that stay long (slow tests, many concurrent clients). The pytest plugin's
+        warm-up asks for one group per xdist worker up front, which covers the common case.
+        """
+        live = self.live(spec)
+        if not live:
+            return True
+        if any(g.state == "starting" for g in live):
+            return False
+        # Waiting counts from when the pool could first have served: time spent waiting for
+        # the pool's own start says nothing about whether it keeps up.
+        since = max(oldest_queued_at, max(g.ready_at for g in live))
+        return self.clock.monotonic() - since >= self.config.scale_up_after_s
+
+    # ---- starting and stopping
+
+    def start(
+        self,
+        spec: PoolSpec,
+        evict: bool = False,
+        queued: Callable[[PoolSpec], bool] = lambda spec: False,
+    ) -> Group | None:
+        """Start a group of ``spec``; None when there is no room (then, with ``evict``, idle
+        groups of other specs are stopped if that makes room) or torchrun did not start."""
+        gpus = self.resources.allocate(spec)
+        if gpus is None:
+            if evict:
+                self.evict_for(spec, queued)
+            return None
+        self._group_seq += 1
+        group_id = f"g{self._group_seq}"
+        process = self.process_factory(
+            group_id,
+            spec,
+            self.resources.backend_for(spec),
+            gpus,
+            self.backend_endpoint,
+            self.config.heartbeat_s,
+            self.config.liveness,
+            self.config.log_dir,
+        )
+        now = self.clock.monotonic()
+        group = Group(
+            group_id, spec, process, started_at=now, started_wall=self.clock.time(), last_used=now
+        )
+        self.groups[group_id] = group
+        self.totals.groups_started += 1
+        try:
+            process.start()
+        except OSError as exc:
+            self.fail(group, f"could not start torchrun: {exc}")
+            return None
+        log.info(
+            "starting group %s (%s) GPUs=%s pid=%s",
+            group_id,
+            spec.label(),
+            gpus or "-",
+            process.pid,
+        )
+        return group
+
+    def evict_for(self, spec: PoolSpec, queued: Callable[[PoolSpec], bool]) -> None:
+        """Stop least-recently-used idle groups of other specs if that makes ``spec`` fit;
+        groups whose spec has tasks ``queued`` go last."""
+        if any(g.state == "stopping" for g in self.groups.values()):
+            return  # resources are already on their way back; wait for them
+        candidates = sorted(
+            (g for g in self.groups.values() if g.state == "idle" and g.spec != spec),
+            key=lambda g: (queued(g.spec), g.last_used),
+        )
+        victims: list[Group] = []
+        for group in candidates:
+            victims.append(group)
+            freed = [(v.spec, v.process.gpus) for v in victims]
+            if self.resources.would_fit_after_freeing(spec, freed):
+                for victim in victims:
+                    log.info(
+                        "evicting idle group %s (%s) for %s",
+                        victim.id,
+                        victim.spec.label(),
+                        spec.label(),
+                    )
+                    self.stop(victim, f"evicted for {spec.label()}")
+                return
+
+    def stop(self, group: Group, reason: str) -> None:
+        if group.state == "stopping":
+            return
+        log.info("stopping group %s (%s): %s", group.id, group.spec.label(), reason)
+        group.state = "stopping"
+        group.stop_reason = reason
+        group.task = None
+        for rank in group.ranks.values():
+            self.send_rank(rank.identity, self._shutdown)
+            self.ranks.pop(rank.identity, None)
+        group.process.terminate(self.config.kill_grace_s)
+
+    def fail(self, group: Group, reason: str) -> None:
+        """A rank died, went silent, or the group never came up: stop it, report it."""
+        if group.state == "stopping":
+            return
+        failure = GroupFailed(
+            group, reason, group.task, group.state == "starting", group.process.log_tail()
+        )
+        self.totals.groups_failed += 1
+        self.stop(group, reason)
+        log.warning("group %s failed: %s", group.id, reason)
+        self.failures.append(failure)
+
+    def take_failures(self) -> list[GroupFailed]:
+        failures, self.failures = self.failures, []
+        return failures
+
+    # ---- serving
+
+    def assign(self, group: Group, task: Task) -> None:
+        group.state = "busy"
+        group.task = task
+
+    def release(self, group: Group) -> None:
+        """A group finished its task cleanly: back to idle, or recycled (see below)."""
+        if group.state == "stopping":
+            return
+        group.task = None
+        group.tasks_done += 1
+        group.last_used = self.clock.monotonic()
+        group.state = "idle"
+        reason = self.recycle_reason(group)
+        if reason:
+            self.totals.groups_recycled += 1
+            self.stop(group, reason)
+
+    def recycle_reason(self, group: Group) -> str:
+        """Why a group that just finished a task cleanly must not serve another ("": it may).
+
+        Long-lived ranks accumulate what tests leave behind (caches, leaked tensors,
+        fragmented allocators); a fresh group after N tasks or after a memory bound keeps
+        that from turning into out-of-memory failures in unrelated later tests.
+        """
+        limit = self.config.max_tasks_per_group
+        if limit and group.tasks_done >= limit:
+            return f"recycled after {group.tasks_done} tasks"
+        for rank_no, why in sorted(group.unfit.items()):
+            return f"recycled: rank {rank_no} {why}"
+        bound = self.config.max_rss_growth_mb
+        if bound:
+            for rank_no, rss in sorted(group.rss_mb.items()):
+                base = group.rss_ready_mb.get(rank_no, 0.0)
+                if base > 0 and rss - base > bound:  # 0: a rank that reported no baseline
+                    return (
+                        f"recycled: rank {rank_no} RSS grew {rss - base:.0f} MB since ready "
+                        f"(--max-rss-growth {bound:g})"
+                    )
+        return ""
+
+    # ---- ranks
+
+    def rank_hello(self, identity: bytes, message: protocol.RankHello) -> Rank | None:
+        group = self.groups.get(message.group_id)
+        if group is None or group.process.token != message.token or group.state == "stopping":
+            log.warning(
+                "refusing rank hello for group %s (unknown, stopping or bad token)",
+                message.group_id,
+            )
+            return None
+        rank = Rank(identity, message.rank, message.pid, last_seen=self.clock.monotonic())
+        group.ranks[message.rank] = rank
+        group.process.rank_pids.add(message.pid)
+        self.ranks[identity] = (group, rank)
+        return rank
+
+    def rank_ready(self, group: Group, rank: Rank, message: protocol.RankReady) -> bool:
+        """Record a rank's readiness; True when this made its whole group ready."""
+        rank.ready = True
+        group.rss_ready_mb[rank.rank] = message.rss_mb
+        group.rss_mb.setdefault(rank.rank, message.rss_mb)  # shown until its first task
+        if not (
+            group.state == "starting"
+            and len(group.ranks) == group.spec.world_size
+            and all(r.ready for r in group.ranks.values())
+        ):
+            return False
+        now = self.clock.monotonic()
+        group.state = "idle"
+        group.ready_at = group.last_used = now
+        group.ready_after_s = now - group.started_at
+        self.totals.group_start_s += group.ready_after_s
+        log.info("group %s (%s) ready in %.2fs", group.id, group.spec.label(), group.ready_after_s)
+        return True
+
+    def rank_report(self, group: Group, rank: Rank, message: protocol.RankDone) -> None:
+        """What a rank says about itself after a task (memory, fitness)."""
+        group.rss_mb[rank.rank] = message.rss_mb
+        group.cuda_mb[rank.rank] = message.cuda_mb
+        group.cuda_reserved_mb[rank.rank] = message.cuda_reserved_mb
+        if message.unfit:
+            group.unfit[rank.rank] = message.unfit
+
+    # ---- time
+
+    def tick(self, now: float) -> None:
+        """Reap stopped groups (their resources come back), fail broken ones."""
+        for group in list(self.groups.values()):
+            self._tick_group(group, now)
+
+    def _tick_group(self, group: Group, now: float) -> None:
+        if group.state == "stopping":
+            if group.process.reap():
+                self.resources.release(group.spec, group.process.gpus)
+                del self.groups[group.id]
+            return
+        code = group.process.exit_code()
+        if code is not None:
+            self.fail(group, f"torchrun exited with status {code} (a rank died?)")
+            return
+        # A rank with work is watched for CPU progress; its deadline (or the start time-out)
+        # bounds it. An idle rank runs no user code: silence alone counts.
+        working = group.task is not None or group.state == "starting"
+        for rank in group.ranks.values():
+            quiet, excused = liveness.check(
+                rank.busy_watch,
+                now,
+                rank.last_seen,
+                rank.pid if working else None,
+                self.config.heartbeat_s,
+            )
+            if excused:
+                self.totals.busy_silences += 1
+                log.warning(
+                    "rank %d of group %s silent for %.1fs but computing (holding the GIL in "
+                    "native code?): busy, not dead",
+                    rank.rank,
+                    group.id,
+                    now - rank.last_seen,
+                )
+            if quiet > self.config.silence_s:
+                self.fail(
+                    group, f"rank {rank.rank} stopped heartbeating ({now - rank.last_seen:.1f}s)"
+                )
+                return
+        if group.state == "starting" and now - group.started_at > self.config.start_timeout_s:
+            self.fail(group, f"not ready after {self.config.start_timeout_s:g}s")
+
+    def close(self, sleep: Callable[[float], None]) -> None:
+        """Kill every group and wait (a bounded time) until they are gone."""
+        for group in list(self.groups.values()):
+            group.process.terminate(0.0)
+        deadline = self.clock.monotonic() + self.config.kill_grace_s + 2
+        while self.clock.monotonic() < deadline and not all(
+            g.process.reap() for g in self.groups.values()
+        ):
+            sleep(0.05)
+        for group in self.groups.values():
+            group.process.terminate(0.0)
+            group.process.reap()
