@@ -65,8 +65,18 @@ class Manifest:
     exitstatus: int | None = None
     spawns: int = 0
     spawn_s: dict[str, float] = field(default_factory=dict)
+    spawn_tests: dict[str, str] = field(default_factory=dict)  # spec -> test that waited
     tests: dict[str, TestRecord] = field(default_factory=dict)
     path: str = ""  # where it was read from (not written)
+
+    def durations(self) -> dict[str, float]:
+        """What this shard teaches the next partition: each test's seconds, the spawn-wait
+        taken out of the test that waited for its spec's group (see ``spawn_s``)."""
+        walls = {i: r.wall_s for i, r in self.tests.items()}
+        for label, test_id in self.spawn_tests.items():
+            if test_id in walls:
+                walls[test_id] = max(0.0, walls[test_id] - self.spawn_s.get(label, 0.0))
+        return walls
 
     @property
     def retries(self) -> int:
@@ -144,6 +154,7 @@ def from_json(data: object, where: str) -> Manifest:
         exitstatus=exitstatus if isinstance(exitstatus, int) else None,
         spawns=int(_need(data, "spawns", int, where)),
         spawn_s={str(k): float(v) for k, v in spawn_s.items() if isinstance(v, number)},
+        spawn_tests={str(k): str(v) for k, v in dict(data.get("spawn_tests") or {}).items()},
         tests=tests,
         path=where,
     )

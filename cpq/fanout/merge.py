@@ -123,8 +123,8 @@ def merge(manifests: Sequence[Manifest]) -> MergeReport:
             ran[test_id].append(_label(manifest))
             if record.outcome in ("failed", "error"):
                 report.failed.append(test_id)
-            wall = max(record.wall_s, report.durations.get(test_id, 0.0))
-            report.durations[test_id] = round(wall, 4)
+        for test_id, seconds in manifest.durations().items():
+            report.durations[test_id] = round(max(seconds, report.durations.get(test_id, 0)), 4)
     report.missing = [t for t in report.collected if t not in ran]
     report.duplicated = {t: shards for t, shards in ran.items() if len(shards) > 1}
     extra = [t for t in ran if t not in collected]

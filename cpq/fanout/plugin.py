@@ -133,6 +133,7 @@ class FanoutPlugin:
         self.manifest: Manifest | None = None
         self.records: dict[str, TestRecord] = {}
         self.specs: dict[str, str] = {}
+        self.recorded: dict[str, float] = {}  # the durations file the partition read
 
     @property
     def active(self) -> bool:
@@ -154,6 +155,7 @@ class FanoutPlugin:
             recorded = durations.load(self.durations_path)
         except durations.DurationsError as exc:
             raise pytest.UsageError(f"cpq: {exc}") from None
+        self.recorded = recorded
         shards = partition(tests, count, recorded) if self.shard else [collected]
         keep = set(shards[index])
         deselected = [item for item in items if item.nodeid not in keep]
@@ -203,13 +205,13 @@ class FanoutPlugin:
         manifest.tests = {i: r for i, r in self.records.items() if i in set(manifest.selected)}
         manifest.wall_s = round(time.monotonic() - self.t0, 3)
         manifest.exitstatus = int(exitstatus)
-        manifest.spawns, manifest.spawn_s = self._spawns()
+        manifest.spawns, manifest.spawn_s, manifest.spawn_tests = self._spawns()
         manifest.complete = True
         if self.results is not None:
             manifest.write(self.results)
             junit.write(self.results / f"{stem(manifest.index, manifest.count)}.xml", [manifest])
         if self.write_durations:
-            walls = {i: r.wall_s for i, r in manifest.tests.items()}
+            walls = manifest.durations()
             walls |= {SPAWN_PREFIX + k: v for k, v in manifest.spawn_s.items()}
             try:
                 durations.update(self.durations_path, walls)
@@ -218,25 +220,36 @@ class FanoutPlugin:
                     pytest.PytestWarning(f"cpq: could not write durations: {exc}"), stacklevel=2
                 )
 
-    def _spawns(self) -> tuple[int, dict[str, float]]:
-        """Groups this session's tasks ran on, and spawn seconds per spec the broker saw."""
-        needed = set(self.specs.get(i) for i in self.records) - {None}
-        if not needed:
-            return 0, {}
+    def _spawns(self) -> tuple[int, dict[str, float], dict[str, str]]:
+        """Groups this session ran on, and per spec the seconds its first test waited.
+
+        The first test of a spec in a session waits for that spec's group (the spawn not
+        hidden behind collection, plus the first-call warm-up): its wall minus the median
+        wall of the spec's other tests is the spec's spawn cost as this shard paid it, and
+        comes out of that test's recorded duration (:meth:`Manifest.durations`), so the
+        next partition counts it once per shard and not as part of one test. The test's own
+        seconds are taken from the durations file when it has them (else that median).
+        """
+        walls: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        for test_id, record in self.records.items():  # in the order they ran
+            label = self.specs.get(test_id)
+            if label is not None and record.outcome in ("passed", "failed"):
+                walls[label].append((test_id, record.wall_s))
+        spawn_s: dict[str, float] = {}
+        spawn_tests: dict[str, str] = {}
+        for label, runs in walls.items():
+            first, wall = runs[0]
+            if first in self.recorded or len(runs) >= 2:
+                own = self.recorded.get(first) or statistics.median(w for _, w in runs[1:])
+                spawn_s[label] = round(max(0.0, wall - own), 3)
+                spawn_tests[label] = first
+        groups = 0
         try:  # through importlib: cpq.plugin is typed by its owners, not part of this package
             cpq_plugin = importlib.import_module("cpq.plugin")
-            cpq_session = self.config.stash[cpq_plugin.SESSION_KEY]
-            groups = len(cpq_session.stats.groups)
-            status = cpq_session.status_if_connected()
-        except Exception:  # the broker's view is a nicety; results must still be written
-            return 0, {}
-        seen: dict[str, list[float]] = defaultdict(list)
-        for pool in (status or {}).get("pools", []):
-            label = spec_label(int(pool.get("world_size", 0)), pool.get("env") or {})
-            ready = pool.get("ready_after_s")
-            if label in needed and isinstance(ready, int | float):
-                seen[label].append(float(ready))
-        return groups, {k: round(statistics.median(v), 3) for k, v in seen.items()}
+            groups = len(self.config.stash[cpq_plugin.SESSION_KEY].stats.groups)
+        except Exception:  # a count for the summary; results must be written regardless
+            pass
+        return groups, spawn_s, spawn_tests
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         manifest = self.manifest

@@ -124,7 +124,7 @@ class SlurmCluster:
             f"--seed-file={munge / 'munged.seed'}",
         ]  # fmt: skip
         self._spawn(command, "munged.out")
-        wait_until("munge socket", (munge / "munge.sock").exists, within=20)
+        wait_until("munge socket", lambda: self._alive() and (munge / "munge.sock").exists(), 20)
 
     def _spawn(self, command: list[str], log: str) -> None:
         with open(self.dir / log, "ab") as out:
@@ -138,10 +138,16 @@ class SlurmCluster:
                 )
             )
 
-    def _srun_works(self) -> bool:
-        dead = [d.args for d in self.daemons if d.poll() is not None]
+    def _alive(self) -> bool:
+        dead = [d.args[0] for d in self.daemons if d.poll() is not None]
         if dead:
-            raise AssertionError(f"Slurm daemon(s) exited: {dead}\n{self.logs()}")
+            raise AssertionError(
+                f"daemon(s) exited: {dead} (see logs in {self.dir})\n{self.logs()}"
+            )
+        return True
+
+    def _srun_works(self) -> bool:
+        self._alive()
         result = subprocess.run(
             ["srun", "-n1", "-t1", "true"], env=self.env, capture_output=True, timeout=30
         )

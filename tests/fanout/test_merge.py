@@ -178,3 +178,14 @@ def test_missing_inputs_are_exit_4(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "no such file or directory" in capsys.readouterr().err
     assert cli.main([str(tmp_path)]) == 4
     assert "no shard manifests" in capsys.readouterr().err
+
+
+def test_the_spawn_wait_comes_out_of_the_first_test_of_a_spec() -> None:
+    results = shard_results()
+    first = results[0].selected[0]
+    results[0].tests[first].wall_s = 9.0  # it waited ~8 s for the group
+    results[0].spawn_s = {"ws2": 8.0}
+    results[0].spawn_tests = {"ws2": first}
+    report = merge(results)
+    assert report.durations[first] == 1.0
+    assert report.durations["cpq:spawn:ws2"] == 6.0  # the median of 8, 5 and 6

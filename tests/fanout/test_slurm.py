@@ -116,7 +116,9 @@ def test_two_nodes_run_every_test_once_with_balanced_walls(
     results = project / "results"
     job = submit(slurm, project, results)
     wait_done(slurm, job)
-    merged = merge(results, "--junit", str(project / "junit.xml"), "--durations", "next.json")
+    merged = merge(
+        results, "--junit", str(project / "junit.xml"), "--durations", str(project / "next.json")
+    )
     assert merged.returncode == 0, merged.stdout + merged.stderr + outputs(results)
     data = manifests(results)
     assert [d["hostname"] for d in data] == ["n1", "n2"] or len({d["hostname"] for d in data}) == 2
@@ -126,6 +128,10 @@ def test_two_nodes_run_every_test_once_with_balanced_walls(
     assert max(walls) / min(walls) <= 1.25, (walls, merged.stdout)
     assert all(d["spawns"] == 1 for d in data), data
     assert "every collected test ran exactly once and passed" in merged.stdout
+    learned = json.loads((project / "next.json").read_text())
+    assert learned["cpq:spawn:ws1"] > 0  # the wait for the group, learned as a spawn cost
+    for n, seconds in enumerate(SECONDS):  # and not charged to the test that waited
+        assert seconds <= learned[f"test_suite.py::test_work[{n}]"] < seconds + 1.0, learned
     junit = (project / "junit.xml").read_text()
     assert junit.count("<testcase ") == len(ALL_TESTS)
 

@@ -1,0 +1,232 @@
+"""CI fan-out benchmark: the CP attention suite over two Slurm nodes vs one session, and the
+arithmetic for Transformer Engine's 348-case CP matrix on 1/2/4/8 nodes.
+
+    python tools/bench_fanout.py [--reps 3] [--json tools/results/bench_fanout.json]
+
+Measured part. A real two-node Slurm cluster on this host (``tests/fanout/slurm.py``: two
+slurmd, the same 2 cores). Each mode starts cold: its own broker is autostarted with its
+state in a fresh directory, so the group spawn is inside every wall.
+
+* one session: ``pytest tests/test_cp_attention.py`` here (the first run also writes the
+  durations file the shards balance on);
+* fan-out: ``sbatch --array=0-1 tools/ci/slurm/cpq-shards.sbatch`` with those durations;
+  wall from ``sbatch`` until the array left the queue, each shard's wall and overhead
+  (shard wall minus the sum of its tests' walls) from its manifest, ``cpq merge`` timed.
+
+Both "nodes" share this machine's two cores, so the fan-out cannot be faster here than one
+session: what this measures is what a shard costs (collection, broker, spawn, Slurm), not
+the speed-up, which the arithmetic part works out from per-case GPU times.
+
+Arithmetic part. ``tools/results/bench_te_gpu.json`` holds per-case times of 24 TE CP cases
+on a warm ws=2 group of an H200 pair, the group's start time and the per-case cost of one
+torchrun per case. 348 cases cycle through the 23 warm per-case times; a node of 8 GPUs runs
+4 ws=2 groups (xdist -n 4); each shard pays a start-up (pytest, collection, broker) of the
+measured CPU shard overhead plus the group start and the first case's warm-up once per
+group. The partition is cpq's own (:func:`cpq.fanout.shard.partition`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "fanout"))
+
+from slurm import SlurmCluster, wait_until  # noqa: E402
+
+from cpq.fanout.shard import SPAWN_PREFIX, TestInfo, partition, planned_loads  # noqa: E402
+
+SUITE = "tests/test_cp_attention.py"
+PYTEST = ["-p", "cpq.plugin", "-p", "no:cacheprovider", "--noconftest", "-q"]
+
+
+def clean_env(state: Path) -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": str(ROOT),
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "CPQ_STATE_DIR": str(state),
+    }
+
+
+def one_session(work: Path, rep: int, durations: Path) -> dict[str, Any]:
+    state = work / f"single-state-{rep}"
+    state.mkdir(mode=0o700)
+    env = clean_env(state)
+    results = work / f"single-results-{rep}"
+    command = [sys.executable, "-m", "pytest", *PYTEST, SUITE, "--cpq-results", str(results)]
+    if rep == 0:
+        command += ["--cpq-write-durations", "--cpq-durations", str(durations)]
+    start = time.perf_counter()
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    subprocess.run([sys.executable, "-m", "cpq", "stop"], env=env, capture_output=True)
+    if run.returncode:
+        raise SystemExit(f"one session failed:\n{run.stdout}\n{run.stderr}")
+    (manifest,) = [json.loads(p.read_text()) for p in results.glob("shard-*.json")]
+    tests = sum(t["wall_s"] for t in manifest["tests"].values())
+    return {"wall_s": round(wall, 2), "tests": len(manifest["tests"]), "tests_s": round(tests, 2)}
+
+
+def fan_out(cluster: SlurmCluster, work: Path, rep: int, durations: Path) -> dict[str, Any]:
+    results = work / f"fanout-results-{rep}"
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "CPQ_PYTHON": sys.executable,
+        "CPQ_RESULTS": str(results),
+        "CPQ_WORKDIR": str(ROOT),
+        "CPQ_DURATIONS": str(durations),
+        "TMPDIR": str(cluster.dir),
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    start = time.perf_counter()
+    out = cluster.run(
+        "sbatch", "--parsable", "--array=0-1", f"--output={work}/fanout-{rep}-%a.out",
+        str(ROOT / "tools/ci/slurm/cpq-shards.sbatch"), *PYTEST, SUITE, env=env,
+    )  # fmt: skip
+    job = out.strip().split(";")[0]
+    wait_until(f"end of {job}", lambda: not cluster.queue(job), within=300, every=0.1)
+    wall = time.perf_counter() - start
+    merge_start = time.perf_counter()
+    merged = subprocess.run(
+        [sys.executable, "-m", "cpq", "merge", "--junit", str(work / f"junit-{rep}.xml"),
+         str(results)],
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )  # fmt: skip
+    merge_s = time.perf_counter() - merge_start
+    if merged.returncode:
+        raise SystemExit(f"merge exit {merged.returncode}:\n{merged.stdout}\n{merged.stderr}")
+    shards = []
+    for path in sorted(results.glob("shard-*.json")):
+        data = json.loads(path.read_text())
+        tests_s = sum(t["wall_s"] for t in data["tests"].values())
+        shards.append(
+            {
+                "shard": f"{data['index']}/{data['count']}",
+                "node": data["hostname"],
+                "tests": len(data["tests"]),
+                "wall_s": data["wall_s"],
+                "tests_s": round(tests_s, 2),
+                "overhead_s": round(data["wall_s"] - tests_s, 2),
+                "spawn_s": data["spawn_s"],
+            }
+        )
+    walls = [s["wall_s"] for s in shards]
+    in_process = float(merged.stdout.rsplit("merged in ", 1)[1].rstrip("s\n"))
+    return {
+        "wall_s": round(wall, 2),
+        "shards": shards,
+        "balance": round(max(walls) / min(walls), 3),
+        "merge_process_s": round(merge_s, 3),
+        "merge_in_process_s": in_process,
+    }
+
+
+def te_arithmetic(overhead_s: float) -> dict[str, Any]:
+    data = json.loads((ROOT / "tools/results/bench_te_gpu.json").read_text())
+    cases = [t["time_s"] for t in data["cpq"]["tests"]]
+    first, warm = cases[0], cases[1:]
+    pool = data["reset"]["status"]["pools"][0]
+    group_start = float(pool["ready_after_s"])
+    warmup = first - statistics.median(warm)  # the first case's kernel warm-up, once per group
+    torchrun_case = next(r["per_case_s"] for r in data["table"] if "measured" in r["mode"])
+    groups_per_node = 4  # ws=2 on 8 GPUs
+    n_cases = 348
+    per_case = [warm[i % len(warm)] for i in range(n_cases)]
+    rows = []
+    for nodes in (1, 2, 4, 8):
+        # A node's 4 groups are 4 "slots": partition over nodes x 4 slots, each slot paying
+        # the group start and warm-up once (its spawn), each node the shard start-up once.
+        slots = nodes * groups_per_node
+        tests = [TestInfo(f"case{i:03d}", "ws2") for i in range(n_cases)]
+        durations = {f"case{i:03d}": s for i, s in enumerate(per_case)}
+        durations[SPAWN_PREFIX + "ws2"] = group_start + warmup
+        shards = partition(tests, slots, durations)
+        loads = planned_loads(tests, shards, durations)
+        node_walls = [
+            overhead_s + max(loads[n * groups_per_node : (n + 1) * groups_per_node])
+            for n in range(nodes)
+        ]
+        torchrun = n_cases * torchrun_case / (nodes * groups_per_node)
+        rows.append(
+            {
+                "nodes": nodes,
+                "cpq_wall_s": round(max(node_walls), 1),
+                "balance": round(max(node_walls) / min(node_walls), 3),
+                "torchrun_per_case_wall_s": round(torchrun, 1),
+                "speedup_vs_torchrun": round(torchrun / max(node_walls), 1),
+            }
+        )
+    return {
+        "cases": n_cases,
+        "warm_case_s": {"median": statistics.median(warm), "mean": statistics.fmean(warm)},
+        "group_start_s": group_start,
+        "first_case_warmup_s": round(warmup, 2),
+        "torchrun_per_case_s": torchrun_case,
+        "shard_overhead_s": overhead_s,
+        "groups_per_node": groups_per_node,
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cpq-bf-"))
+    work.chmod(0o755)  # munged (another user) must reach its socket under it
+    cluster = SlurmCluster(work / "c")
+    (work / "c").mkdir()
+    durations = work / "durations.json"
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version[:6]},
+        "suite": SUITE,
+    }
+    try:
+        cluster.start()
+        single = [one_session(work, rep, durations) for rep in range(args.reps)]
+        fan = [fan_out(cluster, work, rep, durations) for rep in range(args.reps)]
+    finally:
+        left = cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if left:
+        print(f"warning: killed leftover processes {left}", file=sys.stderr)
+    overheads = [s["overhead_s"] for f in fan for s in f["shards"]]
+    out |= {
+        "one_session": single,
+        "fan_out": fan,
+        "summary": {
+            "one_session_wall_s_median": statistics.median(s["wall_s"] for s in single),
+            "fan_out_wall_s_median": statistics.median(f["wall_s"] for f in fan),
+            "shard_overhead_s_median": statistics.median(overheads),
+            "balance_median": statistics.median(f["balance"] for f in fan),
+            "merge_process_s_median": statistics.median(f["merge_process_s"] for f in fan),
+        },
+    }
+    out["te_348"] = te_arithmetic(out["summary"]["shard_overhead_s_median"])
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
