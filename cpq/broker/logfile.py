@@ -35,7 +35,7 @@ class LogFileHandler(logging.FileHandler):
             # full); those lines reached stderr. The file is reopened on the next record.
             with contextlib.suppress(OSError, ValueError):
                 self.stream.close()
-            self.stream = None  # type: ignore[assignment]
+            self.stream = None
         if self._failing:
             return
         self._failing = True

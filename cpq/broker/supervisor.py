@@ -101,9 +101,7 @@ class GroupProcess:
 
     def start(self) -> None:
         try:
-            output: int | object = os.open(
-                self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-            )
+            output: int = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as exc:
             log.warning(
                 "cannot open %s (%s); group %s logs are lost", self.log_path, exc, self.group_id
@@ -122,7 +120,7 @@ class GroupProcess:
                 else None,
             )
         finally:
-            if isinstance(output, int):
+            if output >= 0:  # not subprocess.DEVNULL (-3), which is no descriptor of ours
                 os.close(output)
 
     @property
@@ -184,6 +182,6 @@ class GroupProcess:
 
 def _running(proc: psutil.Process) -> bool:
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False

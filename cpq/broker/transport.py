@@ -93,7 +93,7 @@ class Transport:
 
     def _router(self, endpoint: str, public: bool = False) -> zmq.Socket[Any]:
         assert self._context is not None
-        sock = self._context.socket(zmq.ROUTER)
+        sock: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
         if public:
             self._authenticator = security.configure_server(
                 self._context, sock, endpoint, self.config.insecure

@@ -130,5 +130,6 @@ def _find_attr(modules: tuple[str, ...], name: str) -> object | None:
     for module_name in modules:
         module = sys.modules.get(module_name)
         if module is not None and hasattr(module, name):
-            return getattr(module, name)
+            found: object = getattr(module, name)
+            return found
     return None

@@ -179,7 +179,7 @@ def _peak_cuda_mb() -> float:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return 0.0
-    return torch.cuda.max_memory_allocated() / 2**20
+    return float(torch.cuda.max_memory_allocated()) / 2**20
 
 
 def run_task(
