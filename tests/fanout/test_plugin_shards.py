@@ -114,6 +114,10 @@ def test_failures_and_bad_options(pytester: pytest.Pytester) -> None:
     bad = pytester.runpytest_subprocess(*BASE, "--cpq-shard=0/2", "--cpq-durations=broken.json")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     bad.stderr.fnmatch_lines(["*broken.json: expected a JSON object*"])
+    empty = pytester.runpytest_subprocess(
+        *BASE, "-k", "test_skipped", "--cpq-shard=1/2", f"--cpq-results={pytester.path}/e"
+    )
+    assert empty.ret == pytest.ExitCode.OK  # an empty share is not "no tests collected"
     plain = pytester.runpytest_subprocess(*BASE)
     assert plain.ret == pytest.ExitCode.TESTS_FAILED
     assert not (pytester.path / ".cpq").exists()  # a plain run leaves no result files
