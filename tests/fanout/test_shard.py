@@ -35,7 +35,7 @@ def suites(draw: st.DrawFn) -> tuple[list[TestInfo], dict[str, float], int]:
     return tests, recorded, draw(st.integers(min_value=1, max_value=9))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(suites())
 def test_every_test_lands_in_exactly_one_shard(
     suite: tuple[list[TestInfo], dict[str, float], int],
@@ -50,7 +50,7 @@ def test_every_test_lands_in_exactly_one_shard(
         assert [order[i] for i in shard] == sorted(order[i] for i in shard)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(suites(), st.randoms(use_true_random=False))
 def test_partition_is_a_function_of_the_set_of_tests(
     suite: tuple[list[TestInfo], dict[str, float], int], rng: object
