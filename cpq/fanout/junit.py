@@ -32,7 +32,7 @@ def _clean(text: str) -> str:
     return "".join(c if c in "\t\n\r" or ord(c) >= 32 else f"\\x{ord(c):02x}" for c in text)
 
 
-def testcase(test_id: str, record: TestRecord, hostname: str = "") -> ET.Element:
+def testcase(test_id: str, record: TestRecord) -> ET.Element:
     classname, name = _split(test_id)
     case = ET.Element(
         "testcase", classname=_clean(classname), name=_clean(name), time=f"{record.wall_s:.3f}"

@@ -94,7 +94,8 @@ def _record(records: dict[str, TestRecord], report: pytest.TestReport) -> None:
         record.outcome = "failed" if report.when == "call" else "error"
         crash = getattr(report.longrepr, "reprcrash", None)
         text = report.longreprtext
-        record.message = str(getattr(crash, "message", "") or text.strip().splitlines()[-1:])
+        last = (text.strip().splitlines() or [""])[-1]
+        record.message = str(getattr(crash, "message", "") or last)
         record.details = text[-DETAILS_LIMIT:]
     elif report.skipped and record.outcome == "passed":
         record.outcome = "skipped"
@@ -202,7 +203,8 @@ class FanoutPlugin:
         if not self.active or self.is_worker or self.manifest is None:
             return
         manifest = self.manifest
-        manifest.tests = {i: r for i, r in self.records.items() if i in set(manifest.selected)}
+        selected = set(manifest.selected)
+        manifest.tests = {i: r for i, r in self.records.items() if i in selected}
         manifest.wall_s = round(time.monotonic() - self.t0, 3)
         manifest.exitstatus = int(exitstatus)
         manifest.spawns, manifest.spawn_s, manifest.spawn_tests = self._spawns()
