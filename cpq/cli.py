@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from cpq import paths
-from cpq.fanout.cli import add_merge_arguments, run_merge
 from cpq.broker.logfile import LogFileHandler
+from cpq.fanout.cli import add_merge_arguments, run_merge
 from cpq.protocol import PoolSpec
 from cpq.timings import TIMINGS_FILE
 
@@ -300,6 +300,15 @@ def _run_status(args: argparse.Namespace) -> int:
     except BrokerUnavailable as exc:
         if args.prometheus:  # a scrape of a dead broker is data: cpq_up 0
             print(render_prometheus_down(), end="", flush=True)
+        if args.json:  # scripts parse stdout: a missing broker is a document too
+            down: dict[str, Any] = {
+                "broker": None,
+                "error": str(exc),
+                "pools": [],
+                "queue": [],
+                "clients": [],
+            }
+            print(json.dumps({**down, "totals": {}}, sort_keys=True), flush=True)
         print(f"cpq-status: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -362,7 +371,12 @@ def _run_submit(args: argparse.Namespace) -> int:
             ensure_broker(endpoint)
         with Client(endpoint, name="cpq-submit") as client:
             result = client.submit(
-                args.target, args.world_size, kwargs, timeout=args.timeout, env=env
+                args.target,
+                args.world_size,
+                kwargs,
+                timeout=args.timeout,
+                env=env,
+                on_wait=lambda notice: print(f"cpq submit: {notice}", file=sys.stderr),
             )
     except (BadRequest, EncodeError) as exc:
         print(f"cpq submit: {exc}", file=sys.stderr)
@@ -373,7 +387,7 @@ def _run_submit(args: argparse.Namespace) -> int:
     if args.json:
         from dataclasses import asdict
 
-        print(json.dumps(asdict(result), default=repr))
+        print(json.dumps({**asdict(result), "value": result.value}, default=repr))
     else:
         print(render_result(result))
     return EXIT_CODES.get(result.outcome, EXIT_CODES["error"])
@@ -382,13 +396,22 @@ def _run_submit(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- stop, keys
 
 
+def _no_broker(endpoint: str) -> bool:
+    """Nothing holds an ipc endpoint's lock: no broker, known at once (no connect time-out)."""
+    from cpq.autostart import broker_alive
+
+    return endpoint.startswith("ipc://") and not broker_alive(endpoint)
+
+
 def _run_stop(args: argparse.Namespace) -> int:
     from cpq.client import BrokerUnavailable, Client
 
+    endpoint = args.endpoint or paths.default_endpoint()
+    if _no_broker(endpoint):
+        print(f"cpq stop: no cpq broker runs at {endpoint}; nothing to stop")
+        return 0
     try:
-        with Client(
-            args.endpoint or paths.default_endpoint(), name="cpq-stop", connect_timeout_s=5
-        ) as c:
+        with Client(endpoint, name="cpq-stop", connect_timeout_s=5) as c:
             c.stop(drain=args.drain)
     except BrokerUnavailable as exc:
         print(f"cpq stop: {exc}", file=sys.stderr)
@@ -403,6 +426,9 @@ def _run_drain(args: argparse.Namespace) -> int:
     from cpq.client import BrokerUnavailable, Client
 
     endpoint = args.endpoint or paths.default_endpoint()
+    if _no_broker(endpoint):
+        print(f"cpq drain: no cpq broker runs at {endpoint}; nothing to drain")
+        return 0
     try:
         with Client(endpoint, name="cpq-drain", connect_timeout_s=5) as client:
             status = client.stop(drain=True)
@@ -433,9 +459,9 @@ def _run_keys(args: argparse.Namespace) -> int:
 
     try:
         base = generate_keys(args.dir, replace=args.force)
-    except KeysExist as error:
-        print(f"cpq keys: {error}", file=sys.stderr)
-        return 1
+    except KeysExist as error:  # kept, as asked: not a failure
+        print(f"cpq keys: {error}; kept them (--force replaces them)", file=sys.stderr)
+        return 0
     print(f"keys written to {base} (authorised clients: {base / 'authorized'})")
     return 0
 

@@ -20,12 +20,13 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
-from cpq import paths, protocol
+from cpq import environ, paths, protocol
 from cpq.osutil import pid_namespace
 from cpq.protocol import PoolSpec, TaskResult
 
@@ -69,19 +70,27 @@ def make_spec(
     roots: list[str] | None = None,
     backend: str = "",
     python: str | None = None,
+    caller_env: Mapping[str, str] | None = None,
 ) -> PoolSpec:
+    """The pool spec of a task: ``env`` (the task's explicit overrides) on top of the start
+    variables of ``caller_env`` (default: this process's environment; see :mod:`cpq.environ`)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool):
         raise BadRequest(f"world_size must be an int, got {world_size!r}")
     env = env or {}
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
         raise BadRequest(f"env values must be strings: {bad!r}")
+    launcher = sorted(k for k in env if environ.is_launcher_var(k))
+    if launcher:
+        raise BadRequest(f"env cannot set torchrun's own variables: {launcher}")
+    start, _ = environ.split(os.environ if caller_env is None else caller_env)
+    merged = {**start, **env}
     try:
         return PoolSpec(
             world_size=world_size,
             python=python or interpreter(),
             roots=list(roots) if roots is not None else default_roots(),
-            env=[[k, env[k]] for k in sorted(env)],
+            env=[[k, merged[k]] for k in sorted(merged)],
             backend=backend,
         )
     except ValueError as exc:
@@ -140,8 +149,10 @@ class Client:
             "pidns": pid_namespace(),  # lets the broker look at this process
             "name": name or os.path.basename(sys.argv[0] or "python"),
             "xdist_worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+            "features": sorted(protocol.ALL_FEATURES),  # what this client can decode
             **(info or {}),
         }
+        self._waiting: dict[str, list[str]] = {}  # task id -> "still waiting" notices
         self._context: zmq.Context[Any] = zmq.Context()
         self._pipe_addr = f"inproc://cpq-client-{os.getpid()}-{next(_PIPE_SEQ)}"
         self._tasks: dict[str, Future[TaskResult]] = {}
@@ -166,6 +177,7 @@ class Client:
             self.close()
             raise
         self.broker = welcome.broker
+        self.broker_features = frozenset(self.broker.get("features") or ())
         # Heartbeat at least as often as the broker expects and give up on it as soon as it
         # would give up on us: a broker run with a short --heartbeat drops a client that
         # keeps the 1 s default, and its clients should notice its death as fast.
@@ -187,8 +199,13 @@ class Client:
         test_id: str = "",
         roots: list[str] | None = None,
         backend: str = "",
+        on_wait: Callable[[str], None] | None = None,
     ) -> TaskResult:
-        """Run ``target`` on every rank of a warm group and wait for the verdict."""
+        """Run ``target`` on every rank of a warm group and wait for the verdict.
+
+        ``on_wait`` is called (in this thread) with the broker's word on why the task is
+        still waiting for a group, a few seconds into a wait.
+        """
         future = self.submit_async(
             target,
             world_size,
@@ -200,7 +217,25 @@ class Client:
             roots=roots,
             backend=backend,
         )
-        return future.result()
+        if on_wait is None:
+            return future.result()
+        task_id: str = future.task_id  # type: ignore[attr-defined]
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.25)
+                except TimeoutError:
+                    for notice in self._take_waiting(task_id):
+                        on_wait(notice)
+        finally:
+            self._waiting.pop(task_id, None)
+
+    def _take_waiting(self, task_id: str) -> list[str]:
+        with self._lock:
+            notices = self._waiting.get(task_id) or []
+            if notices:
+                self._waiting[task_id] = []
+            return notices
 
     def submit_async(
         self,
@@ -219,17 +254,21 @@ class Client:
         kwargs = dict(kwargs or {})
         check_kwargs(kwargs)
         timeout = paths.default_timeout() if timeout is None else check_timeout(timeout)
+        # The caller's environment, read now: a variable set since the last task counts.
+        start, task_env = environ.split(os.environ)
         message = protocol.Submit(
             task_id=uuid.uuid4().hex,
             target=target,
-            spec=make_spec(world_size, env, roots, backend),
+            spec=make_spec(world_size, env, roots, backend, caller_env=start),
             kwargs=kwargs,
             timeout=timeout,
             seed=seed,
             test_id=test_id,
+            env=task_env,
         )
-        frame = protocol.encode(message)
+        frame = protocol.encode_for(message, self.broker_features)
         future: Future[TaskResult] = Future()
+        future.task_id = message.task_id  # type: ignore[attr-defined]
         with self._lock:
             self._raise_if_failed()
             self._tasks[message.task_id] = future
@@ -359,8 +398,8 @@ class Client:
                 if self.broker and self._failure is None and silent and not dealer.poll(0):
                     self._fail_all(
                         BrokerUnavailable(
-                            f"the cpq broker at {self.endpoint} stopped answering "
-                            f"({now - last_heard:.1f}s without a heartbeat)"
+                            f"the cpq broker stopped answering ({now - last_heard:.1f}s "
+                            f"without a heartbeat: it died or was killed) at {self.endpoint}"
                         )
                     )
             while pipe.poll(0):  # a final goodbye
@@ -380,6 +419,14 @@ class Client:
             future = self._tasks.pop(message.result.task_id, None)
             if future is not None:
                 future.set_result(message.result)
+        elif isinstance(message, protocol.Waiting):
+            with self._lock:
+                if message.task_id in self._tasks:
+                    self._waiting.setdefault(message.task_id, []).append(message.message)
+        elif isinstance(message, protocol.Closing):
+            self._fail_all(
+                BrokerUnavailable(f"the cpq broker stopped ({message.reason}) at {self.endpoint}")
+            )
         elif isinstance(message, (protocol.Welcome, protocol.StatusReply)):
             if self._control:
                 self._control.popleft().set_result(message)

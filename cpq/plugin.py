@@ -33,6 +33,8 @@ from cpq.fanout import plugin as fanout
 from cpq.protocol import PoolSpec, TaskResult
 
 SESSION_KEY = pytest.StashKey["CpqSession"]()
+#: How a draining broker answers a submit (``cpq.broker.tasks``).
+DRAINING = "rejected: the broker is draining"
 RESERVED_FIXTURES = {"cpq", "request"}
 
 
@@ -89,8 +91,7 @@ class Stats:
         self.tasks += 1
         self.retries += result.attempts - 1
         self.errors += result.outcome == "error"
-        if result.group_id:
-            self.groups.add(result.group_id)
+        self.groups.update(result.groups or ([result.group_id] if result.group_id else []))
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -135,6 +136,9 @@ class CpqSession:
         self._roots: list[str] | None = None
         self.started_broker = False
         self.warmed: dict[PoolSpec, int] = {}
+        #: Why the broker is gone, once it is: every later cpq test fails with this one line
+        #: instead of a client traceback (a new broker is not started behind the user's back).
+        self.broker_gone: str = ""
 
     def status_if_connected(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The broker's status for reports, without starting (or waiting long for) a broker.
@@ -224,17 +228,37 @@ class CpqSession:
         env: dict[str, str] | None,
         test_id: str,
     ) -> TaskResult:
-        result: TaskResult = self.client.submit(
-            target,
-            world_size,
-            kwargs,
-            timeout=timeout or self.timeout,
-            env=env,
-            test_id=test_id,
-            roots=self.roots(),
-        )
-        self.stats.record(result)
-        return result
+        from cpq.client import BrokerUnavailable
+
+        if not self.broker_gone:
+            try:
+                result: TaskResult = self.client.submit(
+                    target,
+                    world_size,
+                    kwargs,
+                    timeout=timeout or self.timeout,
+                    env=env,
+                    test_id=test_id,
+                    roots=self.roots(),
+                    on_wait=self._say_waiting,
+                )
+            except BrokerUnavailable as exc:
+                self.broker_gone = f"cpq: {exc}"
+            else:
+                self.stats.record(result)
+                if result.outcome == "error" and result.message.startswith(DRAINING):
+                    self.broker_gone = "cpq: the broker is draining (cpq drain): no new tests"
+                else:
+                    return result
+        pytest.fail(self.broker_gone, pytrace=False)  # one line: the broker is gone
+
+    def _say_waiting(self, notice: str) -> None:
+        """The broker's word on why a test still waits for a group, shown as it happens."""
+        line = f"cpq: {notice}"
+        sys.stderr.write(line + "\n")  # lands in the test's captured stderr (and JUnit)
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and not hasattr(self.config, "workerinput"):
+            reporter.write_line(line, yellow=True)
 
     def close(self) -> None:
         if self._client is not None:
@@ -275,7 +299,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             count = int(entry["count"])
         except (protocol.ProtocolError, KeyError, TypeError, ValueError):
             return  # a cache from another cpq version: ignore it
-        if spec.roots == cpq_session.roots() and spec.python == cpq_session.spec(1, None).python:
+        here = cpq_session.spec(1, None)  # this shell's interpreter and start variables
+        cached_env = dict(spec.env)
+        same_env = all(cached_env.get(k) == v for k, v in here.env)
+        if spec.roots == here.roots and spec.python == here.python and same_env:
             specs.append(spec)
             counts.append(count)
     if specs:
@@ -372,35 +399,44 @@ class CpqTaskFailed(Exception):
         self.target = target
 
     def longrepr(self) -> str:
+        """The report: what happened in one line, the retry notes, then the detail once
+        (the failing rank's traceback, or where each rank was when a deadline passed)."""
         result = self.result
         ranks = result.failed_ranks
+        first_line, _, rest = (result.message or result.outcome).partition("\n")
         if result.outcome == "error":
-            head = f"cpq infra error running {self.target}: {result.message}"
+            lines = [f"cpq infra error running {self.target}: {first_line}"]
         else:
             failing = [r.rank for r in ranks]
-            head = f"cpq: {self.target} failed on rank(s) {failing} (group {result.group_id})"
+            lines = [f"cpq: {self.target} failed on rank(s) {failing} (group {result.group_id})"]
             if result.message:
-                head += f"\n{result.message}"
+                lines.append(first_line)
+        lines += result.notes
+        if rest:
+            lines.append(rest)
         first = next((r for r in ranks if r.error is not None), None)
-        body = ""
         if first is not None and first.error is not None:
-            body = f"\n--- rank {first.rank} ---\n" + (
-                first.error.traceback or f"{first.error.type}: {first.error.message}"
-            )
-        notes = "".join(f"\n{note}" for note in result.notes)
-        return head + notes + body
+            lines.append(f"--- rank {first.rank} ---")
+            lines.append(first.error.traceback or f"{first.error.type}: {first.error.message}")
+        return "\n".join(lines)
 
 
 def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
     """Turn a verdict into this test's outcome (the shared path of marker and fixture)."""
-    for note in result.notes:
+    for note in result.notes:  # in the captured stderr, so JUnit's <system-err> has them
         sys.stderr.write(note + "\n")
     failed = result.failed_ranks
+    streaming = item.config.getoption("capture", "fd") == "no"  # -s: show it, like a local run
     for rank in result.ranks:
-        if rank.stdout:
-            item.add_report_section("call", f"stdout rank {rank.rank}", rank.stdout)
-        if rank.stderr:
-            item.add_report_section("call", f"stderr rank {rank.rank}", rank.stderr)
+        for stream, text in (("stdout", rank.stdout), ("stderr", rank.stderr)):
+            if not text:
+                continue
+            if streaming:
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write("".join(f"[rank {rank.rank}] {line}" for line in text.splitlines(True)))
+                out.flush()
+            else:
+                item.add_report_section("call", f"{stream} rank {rank.rank}", text)
     for rank in failed[1:]:
         if rank.error is not None:
             item.add_report_section(

@@ -12,6 +12,7 @@ they are read, and the unpacker bounds every string, binary, array and map it bu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import typing
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import msgpack
+
+from cpq import environ  # the other shared leaf: which variables are start variables
 
 PROTOCOL_VERSION = 1
 
@@ -54,7 +57,7 @@ class EncodeError(TypeError):
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """What makes two tasks able to share a warm group (DESIGN.md, "Pool spec").
+    """What makes two tasks able to share a warm group (docs/design.md, "Pool spec").
 
     ``backend`` is empty when the client lets the broker choose (nccl with GPUs, gloo without).
     ``env`` is a sorted list of ``[name, value]`` pairs so that equal specs encode equally.
@@ -98,9 +101,19 @@ class PoolSpec:
         return isinstance(other, PoolSpec) and self.key() == other.key()
 
     def label(self) -> str:
-        """A short human name: ``ws2/gloo`` plus env overrides, for tables and logs."""
-        extra = "".join(f" {k}={v}" for k, v in self.env)
+        """A short human name: ``ws2/gloo`` plus the task variables a caller pinned (say
+        ``NVTE_FLASH_ATTN=0``), for tables and logs. The caller's start variables (paths,
+        thread counts) would drown it: :meth:`digest` tells specs with equal labels apart."""
+        extra = "".join(f" {k}={v}" for k, v in self.env if not environ.is_start_var(k))
         return f"ws{self.world_size}/{self.backend or 'auto'}{extra}"
+
+    def digest(self) -> str:
+        """Six hex digits naming the whole spec (interpreter, roots, every variable)."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            cached = hashlib.sha256(repr(self.key()).encode()).hexdigest()[:6]
+            object.__setattr__(self, "_digest", cached)
+        return cached
 
 
 @dataclass
@@ -139,6 +152,8 @@ class TaskResult:
     duration_s: float = 0.0
     queue_s: float = 0.0
     deadline_s: float = 0.0
+    #: Every group an attempt ran on (a retried task ran on two), for session summaries.
+    groups: list[str] = field(default_factory=list)
 
     @property
     def value(self) -> Any:
@@ -190,10 +205,15 @@ class Submit(Message):
     timeout: float | None = None
     seed: int = 1234
     test_id: str = ""
+    #: The caller's task variables (see :mod:`cpq.environ`); None: a client that sends
+    #: none, whose tasks run with the group's baseline environment.
+    env: dict[str, str] | None = None
 
 
 @dataclass
 class Cancel(Message):
+    """Drop a queued task, or interrupt a running one (its group is cleaned or recycled)."""
+
     KIND: ClassVar[str] = "cancel"
     task_id: str
 
@@ -255,6 +275,23 @@ class ErrorReply(Message):
     task_id: str = ""
 
 
+@dataclass
+class Waiting(Message):
+    """A queued task is still waiting for a group, and why (sent after a few seconds)."""
+
+    KIND: ClassVar[str] = "waiting"
+    task_id: str
+    message: str
+
+
+@dataclass
+class Closing(Message):
+    """The broker is going away (stopped, drained, idle): clients hear why, at once."""
+
+    KIND: ClassVar[str] = "closing"
+    reason: str
+
+
 # ---- both directions, every peer
 
 
@@ -309,6 +346,13 @@ class RankDone(Message):
     #: Non-empty: why this rank cannot serve another task (say, a task left it without free
     #: file descriptors); the broker recycles the group after this task. Optional, like above.
     unfit: str = ""
+    #: Non-empty: the rank did not run the task because this file, which it loaded
+    #: earlier, changed on disk since (``cpq.rank.freshness``); the task goes to a fresh group.
+    stale: str = ""
+    #: The default process group's collective sequence number after the task (-1: unknown).
+    #: After a cancelled task, equal numbers on every rank mean no collective was left
+    #: half-done and the group can serve again.
+    pg_seq: int = -1
 
 
 @dataclass
@@ -330,6 +374,16 @@ class RunTask(Message):
     kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     test_id: str = ""
+    #: The caller's task variables (None: restore the rank's baseline environment).
+    env: dict[str, str] | None = None
+
+
+@dataclass
+class CancelTask(Message):
+    """Interrupt the running task: its client went away."""
+
+    KIND: ClassVar[str] = "cancel_task"
+    task_id: str
 
 
 @dataclass
@@ -418,7 +472,8 @@ def travel_problem(value: Any) -> str:
 def pack(value: Any) -> bytes:
     """msgpack with a clear error for what cannot travel."""
     try:
-        return msgpack.packb(value, use_bin_type=True)
+        frame: bytes = msgpack.packb(value, use_bin_type=True)
+        return frame
     except (TypeError, ValueError, OverflowError) as exc:
         raise EncodeError(f"cannot be sent to the broker as msgpack: {exc}") from exc
 
@@ -442,20 +497,38 @@ def encode(message: Message) -> bytes:
     return frame
 
 
-#: Optional fields added within protocol 1, by the feature that added them. A broker lists
-#: the features it reads in its groups' environment (``CPQ_BROKER_FEATURES``), and a rank
-#: leaves out the fields of features its broker does not list: an embedded broker outlives
-#: a ``pip install -U cpq``, and its decoder refuses fields it does not know, so without
-#: this a newer rank could never report ready to the older broker that spawned it.
+#: Optional fields added within protocol 1, by the feature that added them. Every peer
+#: says which features it reads (a broker in its groups' environment, ``CPQ_BROKER_FEATURES``,
+#: and in its welcome; a client in its hello), and a sender leaves out the fields of
+#: features its peer does not list: an embedded broker outlives a ``pip install -U cpq``,
+#: and its decoder refuses fields it does not know, so without this a newer rank could
+#: never report ready to the older broker that spawned it. ``a.b`` names field ``b`` of the
+#: record in field ``a``.
 FEATURES_ENV = "CPQ_BROKER_FEATURES"
 FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "rank-memory": {"rank_ready": ("rss_mb",), "rank_done": ("cuda_mb", "cuda_reserved_mb")},
     "rank-unfit": {"rank_done": ("unfit",)},
+    "task-env": {"submit": ("env",)},
+    "code-freshness": {"rank_done": ("stale", "pg_seq")},
+    "result-groups": {"done": ("result.groups",)},
 }
+#: Message kinds added within protocol 1, by feature: never sent to a peer without it.
+FEATURE_KINDS: dict[str, frozenset[str]] = {
+    "task-waiting": frozenset({"waiting"}),
+    "broker-closing": frozenset({"closing"}),
+}
+ALL_FEATURES = frozenset(FEATURE_FIELDS) | frozenset(FEATURE_KINDS)
+
+
+def peer_reads(message: Message, features: frozenset[str]) -> bool:
+    """Whether a peer that reads ``features`` can decode a message of this kind at all."""
+    return all(
+        message.KIND not in kinds or feature in features for feature, kinds in FEATURE_KINDS.items()
+    )
 
 
 def encode_for(message: Message, features: frozenset[str]) -> bytes:
-    """:func:`encode`, without the fields of features the receiving broker does not read."""
+    """:func:`encode`, without the fields of features the receiving peer does not read."""
     frame = encode(message)
     drop = [
         name
@@ -467,7 +540,11 @@ def encode_for(message: Message, features: frozenset[str]) -> bytes:
         return frame
     wire = unpack(frame)
     for name in drop:
-        wire.pop(name, None)
+        outer, _, inner = name.partition(".")
+        if not inner:
+            wire.pop(name, None)
+        elif isinstance(wire.get(outer), dict):
+            wire[outer].pop(inner, None)
     return pack(wire)
 
 
@@ -495,10 +572,7 @@ _HINTS: dict[type, dict[str, Any]] = {}
 def _hints(cls: type) -> dict[str, Any]:
     hints = _HINTS.get(cls)
     if hints is None:
-        hints = {
-            f.name: typing.get_type_hints(cls)[f.name]
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        }
+        hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
         _HINTS[cls] = hints
     return hints
 
@@ -563,7 +637,7 @@ def _build_checker(hint: Any) -> Check:
             return value if plain else {k: item(v, where) for k, v in value.items()}
 
         return check_map
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _record_checker(hint)
     if hint is float:
 

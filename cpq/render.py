@@ -7,12 +7,12 @@ the records :mod:`cpq.timings` reads. One duration formatter, :func:`fmt_duratio
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from cpq.protocol import TaskResult
-from cpq.timings import history_key
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -384,6 +384,11 @@ def render_result(result: TaskResult) -> str:
 # --------------------------------------------------------------------------- timings
 
 
+def _project(path: str) -> str:
+    """A project's short name in tables: its directory's name (the path is in ``--json``)."""
+    return os.path.basename(path.rstrip(os.sep)) or "-"
+
+
 def _when(epoch: float | None) -> str:
     return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
@@ -398,9 +403,10 @@ def render_timings(summary: dict[str, Any], path: Path) -> str:
         f"{_when(summary['first_at'])} .. {_when(summary['last_at'])}",
         "",
         table(
-            ["test", "runs", "fail", "err", "retry", "p50", "p95", "max"],
+            ["project", "test", "runs", "fail", "err", "retry", "p50", "p95", "max"],
             [
                 [
+                    _project(e.get("project", "")),
                     e["test"],
                     e["runs"],
                     e["failed"],
@@ -423,7 +429,7 @@ def render_timings(summary: dict[str, Any], path: Path) -> str:
                 [
                     [
                         fmt_duration(t["duration_s"]),
-                        history_key(t["test_id"], t["target"]),
+                        t["test_id"] or t["target"],
                         t["outcome"] + (f" (attempt {t['attempts']})" if t["retries"] else ""),
                         t["spec"],
                         fmt_duration(t["queue_s"]),

@@ -16,7 +16,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,13 @@ class TaskTiming:
     retries: int
     group_id: str
     deadline_s: float
+    #: The project the test belongs to (the client's first import root: pytest's rootdir,
+    #: or the working directory of ``cpq submit``); "" in records of older brokers.
+    project: str = ""
 
     @property
     def key(self) -> str:
-        return history_key(self.test_id, self.target)
+        return history_key(self.project, self.test_id, self.target)
 
 
 def fmt_seconds(value: float) -> str:
@@ -57,9 +60,11 @@ def fmt_seconds(value: float) -> str:
     return f"{value:.3g}" if value < 100 else f"{value:.0f}"
 
 
-def history_key(test_id: str, target: str) -> str:
-    """What a history is kept per: the test id when the client sent one, else the target."""
-    return test_id or target
+def history_key(project: str, test_id: str, target: str) -> str:
+    """What a history is kept per: the project and its test id (else the target). Two
+    projects with a ``test_dist.py::test_all_reduce`` each keep their own history."""
+    name = test_id or target
+    return f"{project}::{name}" if project else name
 
 
 # --------------------------------------------------------------------------- reading
@@ -98,6 +103,8 @@ def _parse(line: str) -> TaskTiming | None:
         return None
     values: dict[str, Any] = {}
     for name, spec in _FIELDS.items():
+        if name not in data and spec.default is not MISSING:
+            continue  # a field newer than the record: its default
         value = data.get(name)
         kind = spec.type
         if kind == "float":
@@ -142,7 +149,8 @@ def summarize(timings: Iterable[TaskTiming], top: int = 10) -> dict[str, Any]:
         entry = per_key.setdefault(
             t.key,
             {
-                "test": t.key,
+                "test": t.test_id or t.target,
+                "project": t.project,
                 "target": t.target,
                 "spec": t.spec,
                 "runs": 0,
@@ -170,7 +178,7 @@ def summarize(timings: Iterable[TaskTiming], top: int = 10) -> dict[str, Any]:
         entry["p95_s"] = percentile(durations, 95) if durations else None
         entry["max_s"] = durations[-1] if durations else None
         tests.append(entry)
-    tests.sort(key=lambda e: (-(e["p95_s"] or -1.0), e["test"]))
+    tests.sort(key=lambda e: (-(e["p95_s"] or -1.0), e["test"], e["project"]))
     slowest = sorted(timed, key=lambda t: -t.duration_s)[: max(0, top)]
     return {
         "records": records,

@@ -318,7 +318,7 @@ def test_infra_fault_is_retried_once_on_a_fresh_group_and_passes(
     assert len(result.notes) == 1 and result.notes[0].startswith(RETRY_NOTE), result.notes
     note = result.notes[0]
     if "deadline" not in reason:
-        assert f"(group {group.id})" in note, note  # attempt 1 died on the warm group
+        assert f"on group {group.id}:" in note, note  # attempt 1 died on the warm group
     assert reason in note.splitlines()[0], note
     for rank, expectations in stacks.items():
         stack = rank_stack(note, rank)

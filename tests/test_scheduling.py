@@ -30,7 +30,7 @@ def test_idle_group_of_another_spec_is_evicted_when_ranks_are_short(tmp_path: Pa
         assert status["totals"]["groups_started"] == 2
         pools = {p["id"]: p for p in status["pools"]}
         assert first.group_id not in pools or pools[first.group_id]["state"] == "stopping"
-        assert pools[second.group_id]["env"] == {"CPQ_TEST_POOL": "b"}
+        assert pools[second.group_id]["env"]["CPQ_TEST_POOL"] == "b"
         log = (tmp_path / "state" / "logs" / "broker.log").read_text()
         assert f"evicting idle group {first.group_id}" in log
     finally:

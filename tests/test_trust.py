@@ -277,8 +277,9 @@ def test_cpq_keys_keeps_existing_keys_unless_forced(tmp_path: Path) -> None:
     assert cpq_cli("keys", "--dir", str(keys), env={}).returncode == 0
     before = {p.name: p.read_bytes() for p in keys.glob("*.key*")}
     again = cpq_cli("keys", "--dir", str(keys), env={})
-    assert again.returncode == 1
-    assert "already holds" in again.stderr and "--force" in again.stderr
+    assert again.returncode == 0  # kept, as the README says: the keys are there to use
+    assert "already holds" in again.stderr and "kept" in again.stderr
+    assert "--force" in again.stderr
     assert "Traceback" not in again.stderr
     assert {p.name: p.read_bytes() for p in keys.glob("*.key*")} == before
     forced = cpq_cli("keys", "--dir", str(keys), "--force", env={})

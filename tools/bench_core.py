@@ -5,7 +5,10 @@ Starts a private ``cpq-broker``, then on one ws=2 gloo group measures:
 * spawn → ready: how long a new group takes before it can take a task (and the first
   task's wall time including that spawn);
 * round trip of a no-op task, one at a time (p50 / p90 / p99 / max);
-* throughput with 1 and with 8 tasks in flight (``Client.submit_async``).
+* throughput with 1 and with 8 tasks in flight (``Client.submit_async``);
+* the code-freshness check every rank runs before every task (``cpq.rank.freshness``),
+  timed in this process over the files a rank of this benchmark watches (cpq, the
+  workload module, the site-packages directories).
 
 Usage: ``python tools/bench_core.py [--tasks 2000] [--json tools/results/bench_core.json]``
 """
@@ -26,6 +29,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+STARTED_NS = time.time_ns()  # before any cpq module is imported (for the freshness check)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -50,6 +54,20 @@ def throughput(client: Client, tasks: int, in_flight: int) -> float:
     while window:
         assert window.popleft().result().outcome == "passed"
     return tasks / (time.perf_counter() - start)
+
+
+def freshness_check_us(rounds: int = 2000) -> tuple[float, int]:
+    """``(microseconds per check, files watched)`` for a rank that imported what ours did."""
+    import workers.collectives  # noqa: F401  - the benchmark's workload, as a rank loads it
+    from cpq.rank.freshness import CodeWatch
+
+    watch = CodeWatch()
+    watch.scan(STARTED_NS)
+    assert watch.changed() == "", watch.changed()
+    started = time.perf_counter()
+    for _ in range(rounds):
+        watch.changed()
+    return (time.perf_counter() - started) / rounds * 1e6, len(watch.files)
 
 
 def cpu_model() -> str:
@@ -101,6 +119,7 @@ def main() -> int:
         broker.wait(timeout=30)
 
     ms = [t * 1000 for t in round_trips]
+    check_us, watched = freshness_check_us()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {cpu_model()}, no GPU",
@@ -118,6 +137,7 @@ def main() -> int:
         },
         "throughput_per_s": {"in_flight_1": rate_1, "in_flight_8": rate_8},
         "groups_started": groups,
+        "freshness_check": {"us_per_task": check_us, "files_watched": watched},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
@@ -132,6 +152,7 @@ def main() -> int:
         ("throughput, 1 in flight", f"{rate_1:.0f} tasks/s"),
         ("throughput, 8 in flight", f"{rate_8:.0f} tasks/s"),
         ("groups started", str(groups)),
+        (f"code-freshness check ({watched} files)", f"{check_us:.1f} us per task"),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"\ncpq core benchmark — {results['machine']}, {args.tasks} tasks")

@@ -22,6 +22,10 @@ class BrokerConfig:
     idle_exit_s: float = 0.0
     start_timeout_s: float = 300.0
     failure_grace_s: float = 3.0
+    #: A cancelled task's ranks have this long to stop before its group is recycled.
+    cancel_grace_s: float = 3.0
+    #: A task queued this long hears why it waits (and again every as long after).
+    waiting_notice_s: float = 3.0
     stack_wait_s: float = 2.0
     kill_grace_s: float = 3.0
     max_tasks_per_group: int = 0

@@ -327,7 +327,7 @@ class Broker:
             for failure in failures:
                 group = failure.group
                 if failure.task is not None:
-                    self.tasks.infra_error(failure.task, f"{failure.reason} (group {group.id})")
+                    self.tasks.infra_error(failure.task, failure.reason)
                 elif failure.was_starting and not self.pools.serving(group.spec):
                     self.tasks.start_failed(
                         group.spec,
@@ -393,6 +393,7 @@ class Broker:
         self.settle()
         self.tasks.tick(now)
         self.settle()  # also: queued tasks may have waited long enough to grow a pool
+        self._say_why_waiting(now)
         if self.draining and not self.tasks.tasks:
             self.stop_now("drained")
         if self.tasks.tasks or self.clients:
@@ -403,8 +404,44 @@ class Broker:
 
     def stop_now(self, why: str) -> None:
         self.tasks.stop_all(why)
+        closing = protocol.encode(protocol.Closing(reason=why))
+        for identity, client in self.clients.items():
+            if client.greeted and "broker-closing" in client.features():
+                self.transport.send_client(identity, closing)  # they hear why, at once
         self.transport.flush_outbox()
         self.stopping = True
+
+    def _say_why_waiting(self, now: float) -> None:
+        """Tell the client of a task queued for ``waiting_notice_s`` why it still waits
+        (a test that hangs without a word looks like a hang in the test)."""
+        every = self.config.waiting_notice_s
+        if not every:
+            return
+        for task in self.tasks.queues:
+            if now - max(task.first_queued_at, task.waiting_said_at) < every:
+                continue
+            client = self.clients.get(task.client)
+            task.waiting_said_at = now
+            if client is None or "task-waiting" not in client.features():
+                continue
+            notice = protocol.Waiting(task.submit.task_id, self._why_waiting(task.spec, now))
+            self.transport.send_client(task.client, notice)
+
+    def _why_waiting(self, spec: PoolSpec, now: float) -> str:
+        groups = self.pools.live(spec)
+        states = [g.state for g in groups]
+        counts = ", ".join(f"{states.count(s)} {s}" for s in ("busy", "starting") if s in states)
+        resources = self.pools.resources
+        if resources.uses_gpus(spec):
+            room = f"{len(resources.free_gpus())} of {len(resources.gpus)} GPUs free"
+        else:
+            free = resources.max_ranks - resources.cpu_ranks_used
+            room = f"{free} of {resources.max_ranks} CPU ranks free"
+        ahead = self.tasks.queues.depth(spec) - 1
+        return (
+            f"waiting for a {spec.label()} group ({spec.digest()}): {counts or 'none yet'}; "
+            f"{room}; {ahead} task(s) queued ahead or beside"
+        )
 
     # ---- status
 

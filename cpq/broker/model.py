@@ -67,6 +67,13 @@ class Client:
     def label(self) -> str:
         return f"client {self.info.get('name') or self.identity.hex()}"
 
+    def features(self) -> frozenset[str]:
+        """The optional protocol features this client said it reads (none: an old one)."""
+        listed = self.info.get("features")
+        if not isinstance(listed, list):
+            return frozenset()
+        return frozenset(f for f in listed if isinstance(f, str))
+
 
 @dataclass
 class Task:
@@ -93,6 +100,16 @@ class Task:
     requested_timeout_s: float = 0.0
     deadline_note: str = ""
     last_group_id: str = ""  # survives a retry's reset of ``group``, for the timing history
+    groups: list[str] = field(default_factory=list)  # every group an attempt ran on
+    #: Cancelled while running (its client went away): the ranks were asked to stop; the
+    #: group is recycled if they have not all reported by then.
+    cancel_until: float | None = None
+    #: When the client was last told why the task still waits (0: never).
+    waiting_said_at: float = 0.0
+    pg_seqs: dict[int, int] = field(default_factory=dict)  # rank -> collectives done
+    stale_bounces: int = 0  # fresh groups that found the task's code changed
+    #: Attempt 1's infra failure: (reason, detail), shown once in the verdict.
+    first_failure: tuple[str, str] = ("", "")
 
     @property
     def key(self) -> str:

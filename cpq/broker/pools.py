@@ -182,12 +182,16 @@ class Pools:
                         victim.spec.label(),
                         spec.label(),
                     )
-                    self.stop(victim, f"evicted for {spec.label()}")
+                    self.stop(victim, f"evicted for {spec.label()}", recycled=False)
                 return
 
-    def stop(self, group: Group, reason: str) -> None:
+    def stop(self, group: Group, reason: str, recycled: bool = True) -> None:
+        """Stop a group; ``recycled``: replaced because of what happened to it (a failure,
+        a deadline, changed code, a cancel, a bound), not to make room for another spec."""
         if group.state == "stopping":
             return
+        if recycled:
+            self.totals.groups_recycled += 1
         log.info("stopping group %s (%s): %s", group.id, group.spec.label(), reason)
         group.state = "stopping"
         group.stop_reason = reason
@@ -229,7 +233,6 @@ class Pools:
         group.state = "idle"
         reason = self.recycle_reason(group)
         if reason:
-            self.totals.groups_recycled += 1
             self.stop(group, reason)
 
     def recycle_reason(self, group: Group) -> str:

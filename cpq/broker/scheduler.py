@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
+from cpq import environ
 from cpq.protocol import PoolSpec
 
 
@@ -129,6 +130,12 @@ class Resources:
     def uses_gpus(self, spec: PoolSpec) -> bool:
         return self.backend_for(spec) == "nccl"
 
+    def allowed_gpus(self, spec: PoolSpec) -> list[str]:
+        """This node's GPUs that ``spec``'s caller may use: a ``CUDA_VISIBLE_DEVICES`` in
+        the caller's environment narrows them (by physical id); it is never passed on."""
+        wanted = environ.gpu_filter(dict(spec.env))
+        return list(self.gpus) if wanted is None else [g for g in self.gpus if g in wanted]
+
     def impossible(self, spec: PoolSpec) -> str | None:
         """Why ``spec`` can never run on this node, or None."""
         ws = spec.world_size
@@ -143,6 +150,13 @@ class Resources:
                 return (
                     f"world_size {ws} needs {ws} GPUs but this broker owns {len(self.gpus)} "
                     f"({','.join(self.gpus)}); start it with --oversubscribe to share GPUs"
+                )
+            allowed = self.allowed_gpus(spec)
+            if len(allowed) < ws and not (allowed and self.oversubscribe):
+                visible = dict(spec.env).get(environ.GPU_VAR)
+                return (
+                    f"world_size {ws} needs {ws} GPUs but your CUDA_VISIBLE_DEVICES={visible!r} "
+                    f"allows {len(allowed)} of this broker's GPUs ({','.join(self.gpus)})"
                 )
         elif ws > self.max_ranks:
             return (
@@ -161,11 +175,12 @@ class Resources:
                 return None
             self.cpu_ranks_used += ws
             return []
-        free = self.free_gpus()
+        allowed = self.allowed_gpus(spec)
+        free = [g for g in self.free_gpus() if g in allowed]
         if len(free) >= ws:
             chosen = free[:ws]
         elif self.oversubscribe:
-            chosen = sorted(self.gpus, key=lambda g: self._gpu_users[g])[:ws]
+            chosen = sorted(allowed, key=lambda g: self._gpu_users[g])[:ws]
         else:
             return None
         for gpu in chosen:
@@ -188,4 +203,4 @@ class Resources:
         free = set(self.free_gpus())
         for _, gpus in freed:
             free.update(g for g in gpus if self._gpu_users[g] == 1)
-        return len(free) >= spec.world_size
+        return len(free & set(self.allowed_gpus(spec))) >= spec.world_size

@@ -32,6 +32,7 @@ def describe(
         "version": __version__,
         "code": code_fingerprint(),  # which cpq code it runs (autostart replaces stale ones)
         "protocol": protocol.PROTOCOL_VERSION,
+        "features": sorted(protocol.ALL_FEATURES),  # optional fields and kinds it reads
         "started_at": started_at,
         "uptime_s": clock.time() - started_at,
         "gpus": config.gpus,
@@ -68,6 +69,7 @@ def status(
     queue = [
         {
             "spec": spec.label(),
+            "spec_id": spec.digest(),
             "world_size": spec.world_size,
             "depth": queues.depth(spec),
             "oldest_wait_s": now - queues.by_spec[spec].oldest(),
@@ -103,9 +105,10 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
     return {
         "id": group.id,
         "spec": group.spec.label(),
+        "spec_id": group.spec.digest(),
         "world_size": group.spec.world_size,
         "backend": pools.resources.backend_for(group.spec),
-        "env": dict(group.spec.env),
+        "env": dict(group.spec.env),  # the spec's variables only: never a task's
         "gpus": group.process.gpus,
         "state": group.state,
         "pid": group.process.pid,

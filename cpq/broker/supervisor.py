@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from cpq import protocol
+from cpq import environ, protocol
 
 log = logging.getLogger("cpq.supervisor")
 
@@ -56,9 +56,13 @@ class GroupProcess:
     # ---- start
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(protocol.MULTICAST_OFF_ENV)
-        env.update(dict(self.spec.env))  # the spec's own overrides win
+        """The group's environment: the spec's variables (the caller's start variables and
+        the task's pinned ones) on a minimal base; nothing else of the broker's own
+        environment reaches a group (docs/design.md, "Fidelity: environment")."""
+        env = environ.process_base()
+        env.update(dict(self.spec.env))
+        env.pop(environ.GPU_VAR, None)  # the caller's value narrowed the GPUs; ours are below
+        env.update(protocol.MULTICAST_OFF_ENV)  # never multicast, whatever the caller says
         env.update(
             {
                 "CPQ_BACKEND_ENDPOINT": self.backend_endpoint,
@@ -69,11 +73,10 @@ class GroupProcess:
                 "CPQ_LIVENESS": str(self.liveness),
                 "CPQ_ROOTS": os.pathsep.join(self.spec.roots),
                 "CPQ_LOG_DIR": str(self.log_dir),
-                protocol.FEATURES_ENV: ",".join(protocol.FEATURE_FIELDS),  # what we can read
-                "CUDA_VISIBLE_DEVICES": ",".join(self.gpus),
+                protocol.FEATURES_ENV: ",".join(sorted(protocol.ALL_FEATURES)),  # what we read
+                environ.GPU_VAR: ",".join(self.gpus),
                 "PYTHONUNBUFFERED": "1",
-                # torchrun's default spreads OMP threads thin; each rank gets one thread so
-                # concurrent groups on a small CPU node do not fight over cores.
+                # torchrun's own default when the caller sets none (a fresh launch gets it too).
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }
         )

@@ -29,6 +29,10 @@ from cpq.timings import TaskTiming, fmt_seconds, history_key, read
 
 log = logging.getLogger("cpq.broker")
 
+#: Fresh groups a task may find stale in a row before it is an error (a file that changes
+#: all the time, such as a module a test writes and imports, would bounce it forever).
+MAX_STALE_BOUNCES = 3
+
 
 @dataclass
 class GroupRequest:
@@ -48,7 +52,7 @@ class Tasks:
         totals: Totals,
         clients: dict[bytes, Client],
         resources: Resources,
-        send_client: Callable[[bytes, protocol.Message], None],
+        send_client: Callable[[bytes, protocol.Message | bytes], None],
         send_rank: Callable[[bytes, bytes], bool],
     ) -> None:
         self.config = config
@@ -113,7 +117,7 @@ class Tasks:
         if not self.config.adaptive_timeout:
             return requested, ""
         return self.history.deadline(
-            history_key(message.test_id, message.target),
+            history_key(project_of(message.spec), message.test_id, message.target),
             requested,
             self.config.adaptive_k,
             self.config.adaptive_floor_s,
@@ -147,18 +151,34 @@ class Tasks:
             self.queues.remove(lambda t: t is task)
             self.finish(task, "error", message="cancelled by the client")
         else:
-            task.orphaned = True  # let it finish; the result goes nowhere
+            self.interrupt(task, "cancelled by the client")
 
     def drop_client(self, client: Client) -> int:
-        """The client is gone: its queued tasks are dropped, its running ones orphaned."""
+        """The client is gone: its queued tasks are dropped, its running ones interrupted."""
         dropped = self.queues.remove(lambda t: t.client == client.identity)
         for task in dropped:
             self.tasks.pop(task.key, None)
-        for key in client.in_flight:
-            task = self.tasks.get(key)
-            if task is not None:
-                task.orphaned = True
+        for key in list(client.in_flight):
+            running = self.tasks.get(key)
+            if running is not None and running.group is not None:
+                self.interrupt(running, "its client went away")
         return len(dropped)
+
+    def interrupt(self, task: Task, why: str) -> None:
+        """Stop a running task nobody waits for any more, instead of holding its group until
+        the deadline: every rank is asked to interrupt it (``cpq.rank.cancel``); ranks that
+        do report within ``cancel_grace_s`` leave the group clean, else it is recycled."""
+        task.orphaned = True  # the verdict goes nowhere
+        group = task.group
+        if group is None or task.cancel_until is not None:
+            return
+        log.info("interrupting %s on group %s: %s", task.submit.target, group.id, why)
+        task.cancel_until = self.clock.monotonic() + self.config.cancel_grace_s
+        task.grace_until = task.stacks_until = None
+        frame = protocol.encode(protocol.CancelTask(task_id=task.submit.task_id))
+        for rank_no, rank in group.ranks.items():
+            if rank_no not in task.results:
+                self.send_rank(rank.identity, frame)
 
     # ---- running
 
@@ -171,12 +191,15 @@ class Tasks:
         task.started_at = now
         task.deadline = now + task.timeout_s
         task.results.clear()
+        task.pg_seqs.clear()
+        task.groups.append(group.id)
         run = protocol.RunTask(
             task_id=task.submit.task_id,
             target=task.submit.target,
             kwargs=task.submit.kwargs,
             seed=task.submit.seed,
             test_id=task.submit.test_id,
+            env=task.submit.env,
         )
         frame = protocol.encode(run)
         for rank in group.ranks.values():
@@ -188,13 +211,64 @@ class Tasks:
         task = group.task
         if task is None or task.submit.task_id != message.task_id or group.state != "busy":
             return  # a late report for a task already decided
+        if message.stale:
+            self.stale(task, group, message.stale)
+            return
         result = message.result
         result.rank = rank_no
         task.results[rank_no] = result
+        task.pg_seqs[rank_no] = message.pg_seq
         if len(task.results) == group.spec.world_size:
-            self.complete(task)
-        elif result.outcome == "failed" and task.grace_until is None:
+            if task.cancel_until is not None:
+                self._interrupted(task, group)
+            else:
+                self.complete(task)
+        elif result.outcome == "failed" and task.grace_until is None and not task.cancel_until:
             task.grace_until = self.clock.monotonic() + self.config.failure_grace_s
+
+    def stale(self, task: Task, group: Group, path: str) -> None:
+        """The group loaded code that changed on disk since (``cpq.rank.freshness``): it
+        runs nothing more, and the task goes to a fresh group. Not an attempt: nothing ran
+        (a rank that did start is stopped with the group)."""
+        self.group_requests.append(GroupRequest(group, f"code changed: {path}"))
+        task.groups.pop()
+        self._unassign(task)
+        task.stale_bounces += 1
+        if task.orphaned:
+            self.finish(task, "error", message="cancelled: its client went away")
+        elif task.stale_bounces > MAX_STALE_BOUNCES:
+            self.finish(
+                task,
+                "error",
+                message=f"{path} keeps changing: {task.stale_bounces} fresh groups in a row "
+                "found it changed after loading it",
+            )
+        else:
+            log.info(
+                "%s changed since group %s loaded it: %s goes to a fresh group",
+                path,
+                group.id,
+                task.submit.target,
+            )
+            task.queued_at = self.clock.monotonic()
+            self.queues.push(task, front=True)
+
+    def _interrupted(self, task: Task, group: Group) -> None:
+        """Every rank reported after a cancel: the group is clean when each rank left the
+        task after the same number of collectives (none was left half-done)."""
+        seqs = set(task.pg_seqs.values())
+        clean = group.spec.world_size == 1 or (len(seqs) == 1 and -1 not in seqs)
+        results = [task.results[r] for r in sorted(task.results)]
+        self.finish(task, "error", message="cancelled: its client went away", ranks=results)
+        why = "" if clean else f"interrupted mid-collective (sequence numbers {sorted(seqs)})"
+        self.group_requests.append(GroupRequest(group, why))
+
+    def _unassign(self, task: Task) -> None:
+        task.group = None
+        task.results.clear()
+        task.pg_seqs.clear()
+        task.grace_until = task.stacks_until = task.cancel_until = None
+        task.stacks.clear()
 
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
         task = group.task
@@ -209,6 +283,12 @@ class Tasks:
         for task in list(self.tasks.values()):
             group = task.group
             if group is None or group.task is not task:
+                continue
+            if task.cancel_until is not None:
+                if now >= task.cancel_until:
+                    why = f"did not stop within {self.config.cancel_grace_s:g}s of a cancel"
+                    self.group_requests.append(GroupRequest(group, why))
+                    self.finish(task, "error", message="cancelled: its client went away")
                 continue
             if task.stacks_until is not None:
                 if now >= task.stacks_until:
@@ -248,8 +328,7 @@ class Tasks:
         assert group is not None
         task.stacks_until = None
         stacks = "\n".join(
-            f"--- rank {r} ---\n{task.stacks.get(r, '(no answer: the rank is not responding)')}"
-            for r in sorted(self._stack_ranks(task))
+            f"--- rank {r} ---\n{self._where(task, r)}" for r in sorted(self._stack_ranks(task))
         )
         if task.stacks_reason == "deadline":
             learned = f" ({task.deadline_note})" if task.deadline_note else ""
@@ -261,7 +340,7 @@ class Tasks:
                 # today but alive is not killed twice by a guess.
                 task.timeout_s = max(task.timeout_s, task.requested_timeout_s)
                 task.deadline_note = ""
-            self.infra_error(task, f"{reason}; where each rank was:\n{stacks}")
+            self.infra_error(task, reason, f"where each rank was:\n{stacks}")
             return
         failed = sorted(r for r, res in task.results.items() if res.outcome == "failed")
         stuck = sorted(self._stack_ranks(task))
@@ -286,45 +365,63 @@ class Tasks:
             ranks=[task.results[r] for r in sorted(task.results)],
         )
 
-    def infra_error(self, task: Task, detail: str) -> None:
+    @staticmethod
+    def _where(task: Task, rank_no: int) -> str:
+        if rank_no in task.stacks:
+            return task.stacks[rank_no].rstrip("\n")
+        if rank_no in task.results:
+            return f"(its part was done: {task.results[rank_no].outcome})"
+        return "(no answer: the rank is not responding)"
+
+    def infra_error(self, task: Task, reason: str, detail: str = "") -> None:
         """An infrastructure failure of a running task: retry once, then ``error``.
 
-        ``detail``'s first line is the reason; the rest (rank stacks, say) goes into the
-        retry note too, so a retry that passes still shows where attempt 1 hung.
+        ``reason`` is one line; ``detail`` (rank stacks, say) goes into the verdict once.
         """
-        task.group = None
-        task.results.clear()
-        task.grace_until = task.stacks_until = None
-        task.stacks.clear()
+        group_id = task.group.id if task.group else ""
+        self._unassign(task)
         if task.orphaned:
-            self.finish(task, "error", message=detail)
+            self.finish(task, "error", message=_join(reason, detail))
             return
-        self.retry_once(task, detail, front=True)
+        self.retry_once(task, reason, detail, group_id=group_id, front=True)
 
     def start_failed(self, spec: protocol.PoolSpec, reason: str, log_tail: str) -> None:
         """No group of ``spec`` came up (and none is left to try): its queued tasks get one
         more try, then an error carrying the end of the group's log."""
-        detail = f"{reason}\n--- end of the group's log ---\n{log_tail}"
+        detail = f"--- end of the group's log ---\n{log_tail}"
         for task in self.queues.remove(lambda t: t.spec == spec):
-            self.retry_once(task, detail, note=reason)
+            self.retry_once(task, reason, detail)
 
-    def retry_once(self, task: Task, detail: str, note: str = "", front: bool = False) -> None:
+    def retry_once(
+        self, task: Task, reason: str, detail: str = "", group_id: str = "", front: bool = False
+    ) -> None:
         """The retry rule: a task's first infra failure queues it again (``front``: ahead of
-        its client's other tasks) with a note saying why; the second is its verdict,
-        ``error`` with ``detail``. ``note`` (default: ``detail``) is what the note says."""
-        reason = detail.splitlines()[0]
+        its client's other tasks); the second is its verdict, ``error``.
+
+        Notes are one line each (they reach the test's stderr and JUnit); the detail of the
+        failure appears once: in the error when the retry fails too (with attempt 1's when
+        it differs), or after the note when the retry passes, so a flaky hang still shows
+        where attempt 1 was.
+        """
+        where = f" on group {group_id}" if group_id else ""
         if task.attempts == 1:
             task.attempts = 2
             task.notes.append(
-                f"{protocol.RETRY_NOTE} attempt 1: {note or detail}\n(retried on a fresh group)"
+                f"{protocol.RETRY_NOTE} attempt 1{where}: {reason}; retried on a fresh group"
             )
+            task.first_failure = (reason, detail)
             self.totals.retries += 1
             log.info("retrying %s: %s", task.submit.target, reason)
             task.queued_at = self.clock.monotonic()
             self.queues.push(task, front=front)
-        else:
-            task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt 2: {reason}")
-            self.finish(task, "error", message=detail)
+            return
+        task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt 2{where}: {reason}")
+        message = _join(f"{reason} (twice)", detail)
+        first_reason, first_detail = task.first_failure
+        if first_detail and first_detail != detail:
+            message += f"\nattempt 1 ({first_reason}):\n{first_detail}"
+        task.first_failure = ("", "")  # said once, in the verdict
+        self.finish(task, "error", message=message)
 
     def stop_all(self, why: str) -> None:
         for task in list(self.tasks.values()):
@@ -344,11 +441,16 @@ class Tasks:
             client.in_flight.discard(task.key)
         counter = outcome if outcome in ("passed", "failed", "skipped") else "errors"
         setattr(self.totals, counter, getattr(self.totals, counter) + 1)
+        notes = list(task.notes)
+        first_detail = task.first_failure[1]
+        if notes and first_detail:  # the retry reached a verdict: show where attempt 1 was
+            notes[0] += f"\n{first_detail}"
         result = TaskResult(
             task_id=task.submit.task_id,
             outcome=outcome,
             ranks=ranks or [],
-            notes=task.notes,
+            notes=notes,
+            groups=list(task.groups),
             message=message,
             group_id=task.group.id if task.group else "",
             attempts=task.attempts,
@@ -359,12 +461,14 @@ class Tasks:
         if task.started_at or task.attempts > 1:  # it ran, or tried to (not: rejected, cancelled)
             self.record(task, result)
         if not task.orphaned and client is not None:
+            features = client.features()
             try:
-                self.send_client(task.client, protocol.Done(result))
+                frame = protocol.encode_for(protocol.Done(result), features)
             except protocol.EncodeError as exc:
                 result.ranks = []
                 result.outcome, result.message = "error", f"result could not be encoded: {exc}"
-                self.send_client(task.client, protocol.Done(result))
+                frame = protocol.encode_for(protocol.Done(result), features)
+            self.send_client(task.client, frame)
 
     def record(self, task: Task, result: TaskResult) -> None:
         """Append the task to the timing history and learn from it; never raises."""
@@ -381,6 +485,7 @@ class Tasks:
             retries=task.attempts - 1,
             group_id=task.last_group_id,
             deadline_s=task.timeout_s,
+            project=project_of(task.spec),
         )
         self.history.add(timing)
         self.timings.append(timing)
@@ -389,6 +494,15 @@ class Tasks:
     def take_group_requests(self) -> list[GroupRequest]:
         requests, self.group_requests = self.group_requests, []
         return requests
+
+
+def project_of(spec: protocol.PoolSpec) -> str:
+    """Which project a task belongs to, for its timing history: the client's first root."""
+    return spec.roots[0] if spec.roots else ""
+
+
+def _join(reason: str, detail: str) -> str:
+    return f"{reason}\n{detail}" if detail else reason
 
 
 def verdict(results: list[RankResult]) -> tuple[str, str]:

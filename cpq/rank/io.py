@@ -22,8 +22,12 @@ from typing import Any
 import zmq
 
 from cpq import protocol
+from cpq.rank import cancel
 
 log = logging.getLogger("cpq.rank")
+
+#: cpq's own frames are left out of the stacks a rank reports.
+CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 EXIT_BROKER_LOST = 75
 #: The in-process pipe the main thread sends its reports through (the I/O thread forwards).
@@ -126,6 +130,8 @@ class IOThread(threading.Thread):
             return
         if isinstance(message, protocol.RunTask):
             self.tasks.put(message)
+        elif isinstance(message, protocol.CancelTask):
+            cancel.request(message.task_id, self.main_thread_id)
         elif isinstance(message, protocol.DumpStacks):
             stacks = protocol.RankStacks(
                 task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
@@ -137,10 +143,21 @@ class IOThread(threading.Thread):
             threading.Timer(self.config.heartbeat_s * 2, hard_exit, args=(0,)).start()
 
     def main_stack(self) -> str:
+        """Where the main thread is in the user's code: the frames below cpq's own (the
+        runtime and the pytest-task loader are noise in a hang report)."""
         frame = sys._current_frames().get(self.main_thread_id or -1)
         if frame is None:
             return "(main thread not found)"
-        return "".join(traceback.format_stack(frame))
+        if not cancel.current():
+            return "(not in the task: its part was done)"
+        return user_stack(traceback.extract_stack(frame))
+
+
+def user_stack(frames: traceback.StackSummary) -> str:
+    """The frames after cpq's last one: the user's code, where it is now."""
+    cpq_frames = [i for i, f in enumerate(frames) if f.filename.startswith(CPQ_DIR)]
+    start = cpq_frames[-1] + 1 if cpq_frames else 0
+    return "".join(traceback.format_list(frames[start:])) or "(in cpq's own code)"
 
 
 def hard_exit(code: int) -> None:

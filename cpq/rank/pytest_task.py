@@ -15,6 +15,8 @@ import sys
 import types
 from typing import Any
 
+from cpq.rank import freshness
+
 _cache: dict[str, tuple[tuple[int, int], types.ModuleType]] = {}
 
 
@@ -38,6 +40,7 @@ def _load(path: str, module_name: str) -> types.ModuleType:
     module.__file__ = path
     module.__package__ = module_name.rpartition(".")[0]  # relative imports in test packages
     sys.modules[module_name] = module
+    freshness.reexecuted.add(module_name)  # re-executed here on change: not a stale module
     exec(code, module.__dict__)
     _cache[path] = (stamp, module)
     return module

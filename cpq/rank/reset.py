@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from cpq import environ
+
 ResetHook = Callable[[int], None]
 _hooks: list[ResetHook] = []
 
@@ -33,24 +35,31 @@ def register_reset_hook(hook: ResetHook) -> ResetHook:
 class Baseline:
     """What a rank looked like right after start-up; every task starts from here."""
 
-    environ: dict[str, str]
+    start_environ: dict[str, str]  # os.environ once ready (after preloads)
     cwd: str
     stdout: TextIO
     stderr: TextIO
+    #: The caller environment applied last (None: the baseline's own) and what
+    #: ``os.environ`` held right after, to see whether a task changed it.
+    applied: dict[str, str] | None = None
+    _applied_data: Any = None
 
     @classmethod
     def capture(cls) -> Baseline:
-        return cls(dict(os.environ), os.getcwd(), sys.stdout, sys.stderr)
+        baseline = cls(dict(os.environ), os.getcwd(), sys.stdout, sys.stderr)
+        baseline.remember(None)
+        return baseline
+
+    def remember(self, caller_env: dict[str, str] | None) -> None:
+        self.applied = None if caller_env is None else dict(caller_env)
+        data = getattr(os.environ, "_data", None)
+        self._applied_data = dict(data) if data is not None else dict(os.environ)
 
     def environ_changed(self) -> bool:
-        # os.environ's own __eq__ decodes every entry (~150 us); its private byte dict
-        # compares in C. Fall back to the public mapping where that attribute is missing.
+        """Whether ``os.environ`` differs from what was applied last. os.environ's own
+        ``__eq__`` decodes every entry (~150 us); its private byte dict compares in C."""
         data = getattr(os.environ, "_data", None)
-        if data is not None:
-            if not hasattr(self, "_data"):
-                self._data = {os.fsencode(k): os.fsencode(v) for k, v in self.environ.items()}
-            return data != self._data
-        return os.environ != self.environ
+        return bool((data if data is not None else dict(os.environ)) != self._applied_data)
 
 
 DEFAULT_KEEP_ENV = ("NVTE_CUDA_INCLUDE_DIR",)
@@ -61,23 +70,37 @@ def _kept_env_names() -> tuple[str, ...]:
     return DEFAULT_KEEP_ENV + tuple(n.strip() for n in extra.split(",") if n.strip())
 
 
+def _apply_environ(baseline: Baseline, caller_env: dict[str, str] | None) -> None:
+    """``os.environ`` for the next task: the caller's (see :func:`cpq.environ.task_environ`).
+
+    Cheap when nothing changed: the same caller environment as last time, applied to an
+    ``os.environ`` that the previous task left alone, is a dict comparison.
+    """
+    if baseline.applied == caller_env and not baseline.environ_changed():
+        return
+    # Variables a library sets on itself while being imported by a task must survive,
+    # or the library breaks in the next task; CPQ_KEEP_ENV names them (TE's by default).
+    kept = {k: os.environ[k] for k in _kept_env_names() if k in os.environ}
+    baseline.start_environ.update(kept)
+    if caller_env is None:
+        target = dict(baseline.start_environ)
+    else:
+        target = environ.task_environ(caller_env, baseline.start_environ, kept)
+    os.environ.clear()
+    os.environ.update(target)
+    baseline.remember(caller_env)
+
+
 def load_hooks_from_env() -> None:
     for spec in filter(None, os.environ.get("CPQ_RESET_HOOKS", "").split(",")):
         module, _, name = spec.strip().partition(":")
         register_reset_hook(getattr(importlib.import_module(module), name))
 
 
-def reset_state(baseline: Baseline, seed: int) -> None:
-    if baseline.environ_changed():
-        # Variables a library sets on itself while being imported by a task must survive,
-        # or the library breaks in the next task; CPQ_KEEP_ENV names them (TE's by default).
-        kept = {k: os.environ[k] for k in _kept_env_names() if k in os.environ}
-        os.environ.clear()
-        os.environ.update(baseline.environ)
-        os.environ.update(kept)
-        baseline.environ.update(kept)
-        if hasattr(baseline, "_data"):
-            del baseline._data
+def reset_state(baseline: Baseline, seed: int, caller_env: dict[str, str] | None = None) -> None:
+    """Bring the rank back to its baseline, in the caller's environment (``caller_env``:
+    the task variables its client sent; None: the baseline's own, for older clients)."""
+    _apply_environ(baseline, caller_env)
     if os.getcwd() != baseline.cwd:
         os.chdir(baseline.cwd)
     sys.stdout, sys.stderr = baseline.stdout, baseline.stderr

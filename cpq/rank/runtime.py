@@ -25,14 +25,13 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
+from cpq.rank import cancel
 from cpq.rank.capture import FdCapture
-from cpq.rank.io import PIPE, IOThread, RankConfig, hard_exit
+from cpq.rank.freshness import CodeWatch
+from cpq.rank.io import CPQ_DIR, PIPE, IOThread, RankConfig, hard_exit
 from cpq.rank.reset import Baseline, load_hooks_from_env, reset_state
 
 log = logging.getLogger("cpq.rank")
-
-#: cpq's own frames are hidden from the user's tracebacks.
-_CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 # --------------------------------------------------------------------------- main thread
@@ -89,38 +88,14 @@ def resolve_target(target: str) -> Any:
     module_name, sep, attr_path = target.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(f"target {target!r} must look like 'package.module:function'")
-    _reload_if_changed(module_name)
+    # An edited target module is not reloaded in place (not provably safe): the code
+    # check before the task sends the task to a fresh group instead (cpq.rank.freshness).
     obj: Any = importlib.import_module(module_name)
     for attr in attr_path.split("."):
         obj = getattr(obj, attr)
     if not callable(obj):
         raise TypeError(f"target {target!r} is not callable")
     return obj
-
-
-_module_stamps: dict[str, tuple[int, int]] = {}
-
-
-def _stamp(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_mtime_ns, info.st_size
-
-
-def _reload_if_changed(module_name: str) -> None:
-    """A warm group outlives edits to the code it runs: reload a target module whose file
-    changed since it was imported, so a re-run after an edit runs the edited code."""
-    module = sys.modules.get(module_name)
-    path = getattr(module, "__file__", None)
-    if module is None or not path:
-        return
-    stamp = _stamp(path)
-    known = _module_stamps.setdefault(module_name, stamp or (0, 0))
-    if stamp is not None and stamp != known:
-        importlib.reload(module)
-        _module_stamps[module_name] = stamp
 
 
 def _is_skip(exc: BaseException) -> bool:
@@ -188,10 +163,12 @@ def run_task(
     outcome, error, value = "passed", None, None
     start = time.perf_counter()
     try:
-        reset_state(baseline, task.seed)
+        reset_state(baseline, task.seed, task.env)
         with capture:
             try:
-                value = resolve_target(task.target)(**task.kwargs)
+                function = resolve_target(task.target)
+                with cancel.window(task.task_id):
+                    value = function(**task.kwargs)
                 _check_return_value(task.target, value)
             except BaseException as exc:  # the task's failure is data, not our crash
                 outcome = "skipped" if _is_skip(exc) else "failed"
@@ -234,7 +211,7 @@ def _describe(exc: BaseException) -> protocol.RankError:
     message = getattr(exc, "msg", None) if _is_skip(exc) else None
     tb = exc.__traceback__
     # Hide cpq's own frames: the user's traceback starts at their code.
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_CPQ_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(CPQ_DIR):
         tb = tb.tb_next
     return protocol.RankError(
         type=name,
@@ -243,7 +220,20 @@ def _describe(exc: BaseException) -> protocol.RankError:
     )
 
 
+def _pg_sequence() -> int:
+    """The default process group's collective count so far (-1 where torch cannot say)."""
+    try:
+        import torch.distributed as dist
+
+        group = dist.distributed_c10d._get_default_group()
+        return int(getattr(group, "_get_sequence_number_for_group")())  # noqa: B009
+    except Exception:
+        return -1
+
+
 def main() -> None:
+    started_ns = time.time_ns()
+    watch = CodeWatch()  # the site directories as they are at start-up
     config = RankConfig.from_env()
     die_with_parent()
     redirect_output_to_log(config)
@@ -270,17 +260,28 @@ def main() -> None:
     init_process_group(config)
     preload_modules()
     load_hooks_from_env()
+    cancel.install()
     ready = protocol.RankReady(
         rank=config.rank, startup_s=time.monotonic() - started, rss_mb=_rss_mb()
     )
     # Fields the broker that spawned us cannot read stay home (see protocol.FEATURE_FIELDS).
     features = frozenset(os.environ.get(protocol.FEATURES_ENV, "").split(","))
+    check_code = "code-freshness" in features  # an older broker could not act on "stale"
+    watch.scan(started_ns)
     results.send(protocol.encode_for(ready, features))
     log.info("ready after %.2fs", ready.startup_s)
     baseline = Baseline.capture()
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     while (task := io.tasks.get()) is not None:
-        result = run_task(task, config.rank, baseline, capture)
+        task_started_ns = time.time_ns()
+        stale = watch.changed() if check_code else ""
+        if stale:  # run nothing: the broker sends the task to a fresh group
+            log.info("not running %s: %s changed since this group loaded it", task.target, stale)
+            result = protocol.RankResult(rank=config.rank, outcome="error")
+        else:
+            result = run_task(task, config.rank, baseline, capture)
+            if check_code:
+                watch.scan(task_started_ns)
         cuda_mb, cuda_reserved_mb = _cuda_now_mb()
         done = protocol.RankDone(
             task_id=task.task_id,
@@ -289,6 +290,8 @@ def main() -> None:
             cuda_mb=cuda_mb,
             cuda_reserved_mb=cuda_reserved_mb,
             unfit=_unfit_reason(),
+            stale=stale,
+            pg_seq=_pg_sequence(),
         )
         try:
             frame = protocol.encode_for(done, features)

@@ -1,0 +1,118 @@
+"""Is the code this rank loaded still the code on disk? (docs/design.md, "Fidelity: code")
+
+A warm rank keeps every module it ever imported. A fresh ``torchrun`` would import the
+files as they are *now*; so before each task the rank checks that nothing it loaded has
+changed since, and refuses the task when something has (the broker then runs it on a
+fresh group). What is checked, and why that is enough:
+
+* **Your code, file by file.** Every module in ``sys.modules`` whose file lies outside the
+  interpreter's standard library and site-packages: the project's own modules, helpers
+  imported directly or indirectly, package ``__init__`` files, the sources behind editable
+  installs (``pip install -e``) and ``PYTHONPATH`` entries. Each file's ``(mtime_ns,
+  size)`` is taken when the rank first sees the module and compared with ``os.stat``
+  before every task: editors, ``git checkout`` and build tools all move the modification
+  time. A file that changed while the task importing it ran cannot be told apart from
+  the version loaded, so it counts as changed at once.
+* **Installed packages, by directory.** Installing, upgrading or removing a distribution
+  adds or removes entries in a site-packages directory (its ``*.dist-info`` is renamed by
+  every version change), which moves that directory's modification time; one ``stat`` per
+  site directory covers every installed package. Editing a file inside site-packages by
+  hand is not seen (pip never does that; recycle with ``cpq stop``).
+* **Not checked**: the standard library, and files read as data (``open()``), which the
+  task reads afresh anyway.
+
+The test file of a marker test is the exception: it is re-executed from its path whenever
+it changes (:mod:`cpq.rank.pytest_task`), as pytest itself would load it, so its own edits
+keep the group warm. Reloading any other module in place is not provably safe (other
+modules hold references to its old functions and classes), so it is never done.
+
+Cost: one ``stat`` per watched file and per site directory per task (~1 us each), and a
+scan of ``sys.modules`` only when its size changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import site
+import sys
+import sysconfig
+import time
+
+#: Files modified this close to (or after) the start of the task that imported them may
+#: have changed during the import; file times come from a coarse kernel clock.
+MTIME_SLACK_NS = 50_000_000
+_UNKNOWN = (-1, -1)
+
+#: Module names loaded from a path and re-executed on change (the marker tests' own files).
+reexecuted: set[str] = set()
+
+
+def _library_dirs() -> tuple[list[str], list[str]]:
+    """``(library prefixes not to watch file by file, site directories to watch whole)``."""
+    paths = sysconfig.get_paths()
+    sites = [paths["purelib"], paths["platlib"]]
+    with contextlib.suppress(AttributeError):  # some embedded interpreters lack it
+        sites += site.getsitepackages()
+    user_site = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if isinstance(user_site, str):
+        sites.append(user_site)
+    sites = [os.path.realpath(s) for s in dict.fromkeys(sites) if os.path.isdir(s)]
+    libs = [os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")]
+    prefixes = [p.rstrip(os.sep) + os.sep for p in dict.fromkeys(libs + sites)]
+    return prefixes, sites
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
+
+
+class CodeWatch:
+    """The files this rank's code came from, and whether any of them changed."""
+
+    def __init__(self) -> None:
+        self._library, sites = _library_dirs()
+        self.files: dict[str, tuple[int, int]] = {}
+        for directory in sites:
+            stamp = _stamp(directory)
+            if stamp is not None:
+                self.files[directory] = stamp
+        self._seen: set[str] = set()
+        self._modules_len = -1
+
+    def scan(self, since_ns: int) -> None:
+        """Take note of modules imported since the last scan, which began at ``since_ns``
+        (wall clock) or later."""
+        if len(sys.modules) == self._modules_len:
+            return
+        self._modules_len = len(sys.modules)
+        for name, module in list(sys.modules.items()):
+            if name in self._seen or name in reexecuted:
+                continue
+            self._seen.add(name)
+            path = getattr(module, "__file__", None)
+            if not isinstance(path, str) or path in self.files:
+                continue
+            real = os.path.realpath(path)
+            if real.startswith(tuple(self._library)):
+                continue
+            stamp = _stamp(real)
+            if stamp is None:  # a module without a file on disk (zip import, frozen)
+                continue
+            # Changed while being imported? Then what was loaded is unknown: stale.
+            self.files[real] = _UNKNOWN if stamp[0] >= since_ns - MTIME_SLACK_NS else stamp
+
+    def changed(self) -> str:
+        """The first watched file that changed since it was loaded ("" when none did)."""
+        for path, stamp in self.files.items():
+            if _stamp(path) != stamp:
+                return path
+        return ""
+
+
+def now_ns() -> int:
+    return time.time_ns()
