@@ -77,7 +77,7 @@ def render(status: dict[str, Any]) -> str:
             rows.append(
                 [
                     p["id"],
-                    p["spec"],
+                    _spec(p),
                     ",".join(p["gpus"]) or "-",
                     p["state"],
                     p["pid"],
@@ -115,7 +115,7 @@ def render(status: dict[str, Any]) -> str:
             table(
                 ["queued spec", "depth", "oldest wait"],
                 [
-                    [q["spec"], q["depth"], fmt_duration(q["oldest_wait_s"])]
+                    [_spec(q), q["depth"], fmt_duration(q["oldest_wait_s"])]
                     for q in status["queue"]
                 ],
             )
@@ -382,6 +382,12 @@ def render_result(result: TaskResult) -> str:
 
 
 # --------------------------------------------------------------------------- timings
+
+
+def _spec(row: dict[str, Any]) -> str:
+    """A spec's label and digest: two groups whose labels agree but whose roots, interpreter
+    or start variables differ (so they cannot share tasks) are told apart."""
+    return f"{row['spec']} #{row['spec_id']}" if row.get("spec_id") else str(row["spec"])
 
 
 def _project(path: str) -> str:
