@@ -127,6 +127,21 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "plugin sends the rootdir and the test's sys.path entries, see cpq-status --json roots)",
     )
     parser.add_argument(
+        "--spares",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="keep one clean spare group per recently used spec, so a group that must be "
+        "replaced (failure, deadline, changed code) is replaced at once (default 1; 0: none)",
+    )
+    parser.add_argument(
+        "--spare-window",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a spec keeps its spare while it ran a task within this many seconds (default 600)",
+    )
+    parser.add_argument(
         "--insecure", action="store_true", help="allow a tcp endpoint without keys (loopback only)"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -203,6 +218,8 @@ def _run_broker(args: argparse.Namespace) -> int:
         adaptive_k=args.adaptive_k,
         adaptive_floor_s=args.adaptive_floor,
         max_rss_growth_mb=args.max_rss_growth,
+        spares=args.spares,
+        spare_window_s=args.spare_window,
         warm=warm,
     )
     try:
@@ -512,6 +529,9 @@ def _safely(run: Any, args: argparse.Namespace, prog: str) -> int:
     except paths.UnsafeStateDir as exc:
         print(f"{prog}: refusing to run: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `cpq-status | head`: the reader left, as readers may
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

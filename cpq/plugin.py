@@ -253,11 +253,15 @@ class CpqSession:
         pytest.fail(self.broker_gone, pytrace=False)  # one line: the broker is gone
 
     def _say_waiting(self, notice: str) -> None:
-        """The broker's word on why a test still waits for a group, shown as it happens."""
+        """The broker's word on why a test still waits for a group, shown as it happens:
+        on the terminal (past pytest's capture) and in the test's captured stderr."""
         line = f"cpq: {notice}"
         sys.stderr.write(line + "\n")  # lands in the test's captured stderr (and JUnit)
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None and not hasattr(self.config, "workerinput"):
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is None or capture is None or hasattr(self.config, "workerinput"):
+            return  # an xdist worker has no terminal of its own: the stderr copy is shown
+        with capture.global_and_fixture_disabled():
             reporter.write_line(line, yellow=True)
 
     def close(self) -> None:
@@ -437,11 +441,14 @@ def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
                 out.flush()
             else:
                 item.add_report_section("call", f"{stream} rank {rank.rank}", text)
+    shown = {failed[0].error.traceback} if failed and failed[0].error else set()
     for rank in failed[1:]:
         if rank.error is not None:
-            item.add_report_section(
-                "call", f"error rank {rank.rank}", rank.error.traceback or rank.error.message
-            )
+            text = rank.error.traceback or rank.error.message
+            if text in shown:  # every rank failed alike: the report shows it once
+                continue
+            shown.add(text)
+            item.add_report_section("call", f"error rank {rank.rank}", text)
     if result.outcome == "passed":
         return
     if result.outcome == "skipped":

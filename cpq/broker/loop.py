@@ -345,12 +345,12 @@ class Broker:
             return
         queues = self.tasks.queues
         for spec in queues.waiting_specs():
-            while queues.depth(spec):
-                group = self.pools.idle_group(spec)
+            while (task := queues.peek(spec)) is not None:
+                fresh = task.stale_bounces > 0  # its last group found the code changed
+                group = self.pools.idle_group(spec, task.submit.affinity, fresh)
                 if group is None:
                     break
-                task = queues.pop(spec)
-                assert task is not None
+                queues.pop(spec)
                 self.pools.assign(group, task)
                 unreachable = self.tasks.start(task, group)
                 if unreachable:
@@ -393,6 +393,9 @@ class Broker:
         self.settle()
         self.tasks.tick(now)
         self.settle()  # also: queued tasks may have waited long enough to grow a pool
+        # Spares take free room only when nothing is queued (queued tasks come first).
+        self.pools.keep_spares(may_start=not (self.stopping or self.draining or self.tasks.queues))
+        self.settle()  # a spare that could not even start is a failure to carry out
         self._say_why_waiting(now)
         if self.draining and not self.tasks.tasks:
             self.stop_now("drained")
@@ -437,10 +440,11 @@ class Broker:
         else:
             free = resources.max_ranks - resources.cpu_ranks_used
             room = f"{free} of {resources.max_ranks} CPU ranks free"
-        ahead = self.tasks.queues.depth(spec) - 1
+        others = self.tasks.queues.depth(spec) - 1
+        queued = f"{others} other task(s) of this spec queued" if others else "none queued besides"
         return (
             f"waiting for a {spec.label()} group ({spec.digest()}): {counts or 'none yet'}; "
-            f"{room}; {ahead} task(s) queued ahead or beside"
+            f"{room}; {queued}"
         )
 
     # ---- status
