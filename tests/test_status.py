@@ -553,3 +553,18 @@ def test_rank_reports_leave_out_fields_an_older_broker_cannot_read() -> None:
     features = frozenset(group.environment()[protocol.FEATURES_ENV].split(","))
     assert protocol.decode(protocol.encode_for(done, features)) == done
     assert protocol.decode(protocol.encode_for(ready, features)) == ready
+
+
+def test_with_no_broker_the_cli_answers_at_once_and_status_json_is_still_json(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    endpoint = f"ipc://{state / 'broker.sock'}"
+    for command in (["stop"], ["drain"], ["stop", "--drain"]):
+        done = cli(endpoint, state, *command)
+        assert done.returncode == 0 and "no cpq broker runs" in done.stdout, done
+    status = cli(endpoint, state, "status", "--json")
+    assert status.returncode == 2
+    document = json.loads(status.stdout)
+    assert document["broker"] is None and document["pools"] == [] and document["error"]
