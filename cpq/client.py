@@ -200,11 +200,14 @@ class Client:
         roots: list[str] | None = None,
         backend: str = "",
         on_wait: Callable[[str], None] | None = None,
+        affinity: str = "",
     ) -> TaskResult:
         """Run ``target`` on every rank of a warm group and wait for the verdict.
 
         ``on_wait`` is called (in this thread) with the broker's word on why the task is
-        still waiting for a group, a few seconds into a wait.
+        still waiting for a group, a few seconds into a wait. ``affinity``: with several
+        idle groups of the spec, the broker prefers the one that last ran a task with this
+        key (its kernels and caches are warm for it); a broker too old to know keys ignores it.
         """
         future = self.submit_async(
             target,
@@ -216,6 +219,7 @@ class Client:
             test_id=test_id,
             roots=roots,
             backend=backend,
+            affinity=affinity,
         )
         if on_wait is None:
             return future.result()
@@ -249,6 +253,7 @@ class Client:
         test_id: str = "",
         roots: list[str] | None = None,
         backend: str = "",
+        affinity: str = "",
     ) -> Future[TaskResult]:
         """Like :meth:`submit` but returns a future; many may be in flight at once."""
         kwargs = dict(kwargs or {})
@@ -265,6 +270,7 @@ class Client:
             seed=seed,
             test_id=test_id,
             env=task_env,
+            affinity=affinity,
         )
         frame = protocol.encode_for(message, self.broker_features)
         future: Future[TaskResult] = Future()

@@ -227,6 +227,7 @@ class CpqSession:
         timeout: float | None,
         env: dict[str, str] | None,
         test_id: str,
+        affinity: str = "",
     ) -> TaskResult:
         from cpq.client import BrokerUnavailable
 
@@ -241,6 +242,7 @@ class CpqSession:
                     test_id=test_id,
                     roots=self.roots(),
                     on_wait=self._say_waiting,
+                    affinity=affinity,
                 )
             except BrokerUnavailable as exc:
                 self.broker_gone = f"cpq: {exc}"
@@ -327,13 +329,27 @@ def _marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] |
     kwargs = dict(marker.kwargs)
     if marker.args:
         kwargs.setdefault("world_size", marker.args[0])
-    unknown = set(kwargs) - {"world_size", "timeout", "env"}
+    unknown = set(kwargs) - {"world_size", "timeout", "env", "affinity"}
     if unknown:
         raise pytest.UsageError(f"{item.nodeid}: unknown cpq marker argument(s) {sorted(unknown)}")
     world_size = kwargs.get("world_size", 2)
     if not isinstance(world_size, int) or isinstance(world_size, bool):
         raise pytest.UsageError(f"{item.nodeid}: cpq world_size must be an int, got {world_size!r}")
     return world_size, kwargs.get("timeout"), kwargs.get("env")
+
+
+def default_affinity(nodeid: str) -> str:
+    """A test's affinity key: its function's node id without the parametrisation, so every
+    case of one parametrised test prefers the group whose kernels it warmed."""
+    name = nodeid.rpartition("::")[2]
+    return nodeid[: len(nodeid) - len(name)] + name.partition("[")[0]
+
+
+def _affinity(item: pytest.Item) -> str:
+    """The marker's ``affinity=``, else :func:`default_affinity`."""
+    marker = item.get_closest_marker("cpq")
+    key = marker.kwargs.get("affinity") if marker is not None else None
+    return str(key) if key is not None else default_affinity(item.nodeid)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -501,7 +517,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "import_paths": session.import_paths(),
     }
     target = "cpq.rank.pytest_task:run_test"
-    result = session.submit(target, world_size, kwargs, timeout, env, pyfuncitem.nodeid)
+    result = session.submit(
+        target, world_size, kwargs, timeout, env, pyfuncitem.nodeid, _affinity(pyfuncitem)
+    )
     report_result(pyfuncitem, result, pyfuncitem.nodeid)
     return True
 
@@ -547,7 +565,7 @@ class CpqRunner:
         env = env if env is not None else self._defaults[2]
         try:
             result = self._session.submit(
-                target, world_size, kwargs, timeout, env, self._item.nodeid
+                target, world_size, kwargs, timeout, env, self._item.nodeid, _affinity(self._item)
             )
         except protocol.EncodeError as exc:
             pytest.fail(str(exc), pytrace=False)

@@ -208,6 +208,9 @@ class Submit(Message):
     #: The caller's task variables (see :mod:`cpq.environ`); None: a client that sends
     #: none, whose tasks run with the group's baseline environment.
     env: dict[str, str] | None = None
+    #: With several idle groups of the spec, prefer the one that last ran this key
+    #: (``cpq.broker.affinity``); "": no preference.
+    affinity: str = ""
 
 
 @dataclass
@@ -511,6 +514,7 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "task-env": {"submit": ("env",)},
     "code-freshness": {"rank_done": ("stale", "pg_seq")},
     "result-groups": {"done": ("result.groups",)},
+    "task-affinity": {"submit": ("affinity",)},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

@@ -79,7 +79,7 @@ def render(status: dict[str, Any]) -> str:
                     p["id"],
                     _spec(p),
                     ",".join(p["gpus"]) or "-",
-                    p["state"],
+                    f"{p['state']} (spare)" if p.get("spare") else p["state"],
                     p["pid"],
                     fmt_duration(p["uptime_s"]),
                     p["tasks_done"],
@@ -114,10 +114,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append(
             table(
                 ["queued spec", "depth", "oldest wait"],
-                [
-                    [_spec(q), q["depth"], fmt_duration(q["oldest_wait_s"])]
-                    for q in status["queue"]
-                ],
+                [[_spec(q), q["depth"], fmt_duration(q["oldest_wait_s"])] for q in status["queue"]],
             )
         )
         lines.append("")

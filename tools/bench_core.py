@@ -6,6 +6,9 @@ Starts a private ``cpq-broker``, then on one ws=2 gloo group measures:
   task's wall time including that spawn);
 * round trip of a no-op task, one at a time (p50 / p90 / p99 / max);
 * throughput with 1 and with 8 tasks in flight (``Client.submit_async``);
+* the same no-op round trip through ``tools/stdio_pool.py`` (a Transformer-Engine-style pool
+  fed JSON on stdin, no broker in the middle), measured in the same run, alternating with
+  cpq in blocks so both see the same load on a shared machine (``--no-stdio`` skips it);
 * the code-freshness check every rank runs before every task (``cpq.rank.freshness``),
   timed in this process over the files a rank of this benchmark watches (cpq, the
   workload module, the site-packages directories).
@@ -56,6 +59,34 @@ def throughput(client: Client, tasks: int, in_flight: int) -> float:
     return tasks / (time.perf_counter() - start)
 
 
+def stdio_round_trips(tasks: int, block: int = 100) -> list[float]:
+    """Round trips (s) of the no-op through the stdio pool, ``block`` at a time."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from stdio_pool import StdioPool
+
+    with StdioPool(2, cwd=str(ROOT), env={"STDIO_POOL_BACKEND": "gloo"}) as pool:
+        for _ in range(50):
+            pool.run(NOOP)
+        out = []
+        for _ in range(tasks):
+            t0 = time.perf_counter()
+            result = pool.run(NOOP)
+            out.append(time.perf_counter() - t0)
+            assert result["outcome"] == "passed", result
+    return out
+
+
+def summary_ms(round_trips: list[float]) -> dict[str, float]:
+    ms = [t * 1000 for t in round_trips]
+    return {
+        "p50": statistics.median(ms),
+        "p90": percentile(ms, 0.90),
+        "p99": percentile(ms, 0.99),
+        "max": max(ms),
+        "mean": statistics.fmean(ms),
+    }
+
+
 def freshness_check_us(rounds: int = 2000) -> tuple[float, int]:
     """``(microseconds per check, files watched)`` for a rank that imported what ours did."""
     import workers.collectives  # noqa: F401  - the benchmark's workload, as a rank loads it
@@ -84,7 +115,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--json", type=Path, default=ROOT / "tools" / "results" / "bench_core.json")
+    parser.add_argument("--no-stdio", action="store_true", help="skip the stdio pool")
     args = parser.parse_args()
+    stdio = [] if args.no_stdio else stdio_round_trips(args.tasks)
 
     state = Path(tempfile.mkdtemp(prefix="cpq-bench-"))
     endpoint = f"ipc://{state / 'broker.sock'}"
@@ -118,7 +151,6 @@ def main() -> int:
         broker.terminate()
         broker.wait(timeout=30)
 
-    ms = [t * 1000 for t in round_trips]
     check_us, watched = freshness_check_us()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -128,13 +160,8 @@ def main() -> int:
         "tasks": args.tasks,
         "group_ready_s": ready_after,
         "first_task_wall_s": first_wall,
-        "round_trip_ms": {
-            "p50": statistics.median(ms),
-            "p90": percentile(ms, 0.90),
-            "p99": percentile(ms, 0.99),
-            "max": max(ms),
-            "mean": statistics.fmean(ms),
-        },
+        "round_trip_ms": summary_ms(round_trips),
+        "stdio_pool_round_trip_ms": summary_ms(stdio) if stdio else None,
         "throughput_per_s": {"in_flight_1": rate_1, "in_flight_8": rate_8},
         "groups_started": groups,
         "freshness_check": {"us_per_task": check_us, "files_watched": watched},
@@ -142,6 +169,7 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     rt = results["round_trip_ms"]
+    sp = results["stdio_pool_round_trip_ms"]
     rows = [
         ("group spawn -> ready (ws=2 gloo)", f"{ready_after:.2f} s"),
         ("first task incl. spawn", f"{first_wall:.2f} s"),
@@ -149,6 +177,15 @@ def main() -> int:
         ("no-op round trip p90", f"{rt['p90']:.3f} ms"),
         ("no-op round trip p99", f"{rt['p99']:.3f} ms"),
         ("no-op round trip max", f"{rt['max']:.3f} ms"),
+        *(
+            [
+                ("stdio pool no-op round trip p50", f"{sp['p50']:.3f} ms"),
+                ("stdio pool no-op round trip p99", f"{sp['p99']:.3f} ms"),
+                ("cpq p50 / stdio pool p50", f"{rt['p50'] / sp['p50']:.2f}"),
+            ]
+            if sp
+            else []
+        ),
         ("throughput, 1 in flight", f"{rate_1:.0f} tasks/s"),
         ("throughput, 8 in flight", f"{rate_8:.0f} tasks/s"),
         ("groups started", str(groups)),

@@ -41,6 +41,10 @@ class BrokerConfig:
     adaptive_floor_s: float = 30.0
     #: Recycle a group after a task once a rank's RSS grew this much since ready (0: never).
     max_rss_growth_mb: float = 0.0
+    #: Clean spare groups kept per recently used spec (``--spares``, 0 or 1; see
+    #: :mod:`cpq.broker.spares`), and how recently a spec must have run a task to keep one.
+    spares: int = 1
+    spare_window_s: float = 600.0
     #: Groups to start at start-up, as (spec, count) (``--warm``).
     warm: list[tuple[PoolSpec, int]] = field(default_factory=list)
 

@@ -150,6 +150,8 @@ class Group:
     cuda_mb: dict[int, float] = field(default_factory=dict)
     cuda_reserved_mb: dict[int, float] = field(default_factory=dict)
     unfit: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot go on
+    #: Started as a spare (:mod:`cpq.broker.spares`) and has taken no task yet.
+    spare: bool = False
 
 
 @dataclass

@@ -2,10 +2,12 @@
 
 A pool is every group of one :class:`~cpq.protocol.PoolSpec`. This module starts groups
 (evicting idle groups of other specs when GPUs are short), stops and reaps them, recycles
-them after a task, and watches them every tick: torchrun's exit code, silent ranks, a start
-that takes too long. What goes wrong is reported as :class:`GroupFailed` events in
-:attr:`Pools.failures`; pools never call the task lifecycle, the loop (:mod:`cpq.broker.loop`)
-turns a failure into a retry or a verdict. See ``docs/design.md``, "Liveness".
+them after a task, keeps one clean spare per recently used spec (:mod:`cpq.broker.spares`),
+picks the idle group a task goes to (:mod:`cpq.broker.affinity`), and watches them every
+tick: torchrun's exit code, silent ranks, a start that takes too long. What goes wrong is
+reported as :class:`GroupFailed` events in :attr:`Pools.failures`; pools never call the
+task lifecycle, the loop (:mod:`cpq.broker.loop`) turns a failure into a retry or a
+verdict. See ``docs/design.md``, "Liveness".
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpq import protocol
-from cpq.broker import liveness
+from cpq.broker import liveness, spares
+from cpq.broker.affinity import Affinity
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals
@@ -79,6 +82,8 @@ class Pools:
         self.groups: dict[str, Group] = {}
         self.ranks: dict[bytes, tuple[Group, Rank]] = {}
         self.failures: list[GroupFailed] = []
+        self.spares = spares.SparePolicy(config.spares, config.spare_window_s)
+        self.affinity = Affinity()
         self._group_seq = 0
         self._shutdown = protocol.encode(protocol.Shutdown())
 
@@ -91,9 +96,16 @@ class Pools:
         """A group of ``spec`` is starting or idle: it may still serve queued tasks."""
         return any(g.spec == spec and g.state in ("starting", "idle") for g in self.groups.values())
 
-    def idle_group(self, spec: PoolSpec) -> Group | None:
+    def idle_group(self, spec: PoolSpec, affinity: str = "", fresh: bool = False) -> Group | None:
+        """The idle group of ``spec`` a task should go to, None if none is idle.
+
+        The group that last ran the task's ``affinity`` key (its kernels and caches are
+        warm for it), else the most recently used one; a spare only when no used group is
+        idle, or first for a task whose last group found the code changed (``fresh``: the
+        other used groups loaded the same code).
+        """
         idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
-        return max(idle, key=lambda g: g.last_used) if idle else None
+        return spares.pick_idle(idle, self.affinity.group_for(spec, affinity), fresh)
 
     def should_grow(self, spec: PoolSpec, oldest_queued_at: float) -> bool:
         """Start another group of ``spec`` for its queued tasks?
@@ -121,13 +133,15 @@ class Pools:
         spec: PoolSpec,
         evict: bool = False,
         queued: Callable[[PoolSpec], bool] = lambda spec: False,
+        spare: bool = False,
     ) -> Group | None:
-        """Start a group of ``spec``; None when there is no room (then, with ``evict``, idle
-        groups of other specs are stopped if that makes room) or torchrun did not start."""
+        """Start a group of ``spec``; None when there is no room (then spares of other specs
+        are stopped if that makes room, and with ``evict`` idle used groups too) or torchrun
+        did not start. A ``spare`` starts only into free room."""
         gpus = self.resources.allocate(spec)
         if gpus is None:
-            if evict:
-                self.evict_for(spec, queued)
+            if not spare:
+                self.evict_for(spec, queued, used=evict)
             return None
         self._group_seq += 1
         group_id = f"g{self._group_seq}"
@@ -143,7 +157,13 @@ class Pools:
         )
         now = self.clock.monotonic()
         group = Group(
-            group_id, spec, process, started_at=now, started_wall=self.clock.time(), last_used=now
+            group_id,
+            spec,
+            process,
+            started_at=now,
+            started_wall=self.clock.time(),
+            last_used=now,
+            spare=spare,
         )
         self.groups[group_id] = group
         self.totals.groups_started += 1
@@ -153,7 +173,8 @@ class Pools:
             self.fail(group, f"could not start torchrun: {exc}")
             return None
         log.info(
-            "starting group %s (%s) GPUs=%s pid=%s",
+            "starting %s %s (%s) GPUs=%s pid=%s",
+            "spare group" if spare else "group",
             group_id,
             spec.label(),
             gpus or "-",
@@ -161,15 +182,15 @@ class Pools:
         )
         return group
 
-    def evict_for(self, spec: PoolSpec, queued: Callable[[PoolSpec], bool]) -> None:
-        """Stop least-recently-used idle groups of other specs if that makes ``spec`` fit;
-        groups whose spec has tasks ``queued`` go last."""
+    def evict_for(
+        self, spec: PoolSpec, queued: Callable[[PoolSpec], bool], used: bool = True
+    ) -> None:
+        """Stop groups of other specs if that makes ``spec`` fit: spares (idle or starting)
+        of specs with nothing queued first, then (with ``used``) least-recently-used idle
+        groups, those whose spec has tasks ``queued`` last."""
         if any(g.state == "stopping" for g in self.groups.values()):
             return  # resources are already on their way back; wait for them
-        candidates = sorted(
-            (g for g in self.groups.values() if g.state == "idle" and g.spec != spec),
-            key=lambda g: (queued(g.spec), g.last_used),
-        )
+        candidates = spares.eviction_order(self.groups.values(), spec, queued, used)
         victims: list[Group] = []
         for group in candidates:
             victims.append(group)
@@ -177,7 +198,8 @@ class Pools:
             if self.resources.would_fit_after_freeing(spec, freed):
                 for victim in victims:
                     log.info(
-                        "evicting idle group %s (%s) for %s",
+                        "evicting %s group %s (%s) for %s",
+                        "spare" if victim.spare else "idle",
                         victim.id,
                         victim.spec.label(),
                         spec.label(),
@@ -205,6 +227,8 @@ class Pools:
         """A rank died, went silent, or the group never came up: stop it, report it."""
         if group.state == "stopping":
             return
+        if group.spare:
+            self.spares.failed(group.spec, self.clock.monotonic())
         failure = GroupFailed(
             group, reason, group.task, group.state == "starting", group.process.log_tail()
         )
@@ -222,6 +246,26 @@ class Pools:
     def assign(self, group: Group, task: Task) -> None:
         group.state = "busy"
         group.task = task
+        group.spare = False  # an ordinary group now; the next tick starts a new spare
+        self.spares.used(group.spec, self.clock.monotonic())
+        self.affinity.ran(group.spec, task.submit.affinity, group.id)
+
+    def keep_spares(self, may_start: bool) -> None:
+        """One spare per recently used spec (:mod:`cpq.broker.spares`): stop the spares of
+        specs no longer used, and start missing ones into free room when ``may_start`` (no
+        task is queued)."""
+        now = self.clock.monotonic()
+        wanted = self.spares.wanted(now)
+        for group in list(self.groups.values()):
+            unused = not self.spares.recent(group.spec, now)
+            if group.spare and group.state != "stopping" and unused:
+                why = f"spare unused: no task of its spec for {self.spares.window_s:g}s"
+                self.stop(group, why, recycled=False)
+        if not may_start:
+            return
+        for spec in wanted:
+            if not any(g.spare for g in self.live(spec)) and not self.resources.impossible(spec):
+                self.start(spec, spare=True)
 
     def release(self, group: Group) -> None:
         """A group finished its task cleanly: back to idle, or recycled (see below)."""

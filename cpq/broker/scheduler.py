@@ -50,6 +50,12 @@ class FairQueue(Generic[T]):
         else:
             fifo.append(task)
 
+    def peek(self) -> T | None:
+        """The task :meth:`pop` would return next (left queued)."""
+        for fifo in self._by_client.values():
+            return fifo[0]
+        return None
+
     def pop(self) -> T | None:
         for client, fifo in self._by_client.items():
             task = fifo.popleft()
@@ -89,6 +95,10 @@ class Queues(Generic[T]):
         if queue is not None and not queue:
             del self.by_spec[spec]
         return task
+
+    def peek(self, spec: PoolSpec) -> T | None:
+        queue = self.by_spec.get(spec)
+        return queue.peek() if queue else None
 
     def depth(self, spec: PoolSpec) -> int:
         queue = self.by_spec.get(spec)

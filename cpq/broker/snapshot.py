@@ -111,6 +111,7 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
         "env": dict(group.spec.env),  # the spec's variables only: never a task's
         "gpus": group.process.gpus,
         "state": group.state,
+        "spare": group.spare,  # clean: has run no task yet (cpq.broker.spares)
         "pid": group.process.pid,
         "rank_pids": sorted(group.process.rank_pids),
         "uptime_s": now - group.started_at,

@@ -141,6 +141,7 @@ class Sim:
             "log_dir": Path("/nonexistent/logs"),
             "max_ranks": 8,
             "scale_up_after_s": 1.0,
+            "spares": 0,  # the spare tests (test_spares.py) turn them on
         }
         self.config = BrokerConfig(**{**defaults, **config})
         self.broker = Broker(self.config, self.wire, self.clock, self._make_process)
@@ -182,6 +183,7 @@ class Sim:
         timeout: float | None = None,
         target: str = TARGET,
         test_id: str = "",
+        affinity: str = "",
     ) -> str:
         if task_id is None:
             self._seq += 1
@@ -194,6 +196,7 @@ class Sim:
                 spec=pool_spec or spec(),
                 timeout=timeout,
                 test_id=test_id,
+                affinity=affinity,
             ),
         )
         return task_id

@@ -1,0 +1,113 @@
+"""Spare groups: one clean group per recently used spec, ready when a group must be replaced.
+
+Why: every event that replaces a group — a failure that recycles it, a deadline, a cancel
+that left it mid-collective, an edit of the user's code (``code changed:``), a memory or
+task-count bound — used to make the next task of that spec wait for a whole spawn (seconds
+on CPU; 20-30 s with Transformer Engine on GPUs). A *spare* is a group that has run no
+task: it imported cpq, torch and its spec's preloads (``CPQ_PRELOAD``) and none of the
+user's code, so it is fresh by construction (its ranks still run the code check before
+every task: cpq's own files and the site-packages directories are watched).
+
+The rules, carried out by :class:`~cpq.broker.pools.Pools` (this module only decides):
+
+* one spare per spec that ran a task within ``spare_window_s`` (``--spares 1``, the
+  default; ``--spares 0`` keeps none);
+* a spare starts only when no task is queued (queued tasks come first for room) and only
+  into free room: starting a spare never evicts anything;
+* a spare is used last: a task goes to an idle used group of its spec first (its imports
+  are warm), to the spare only when none is idle — or first when its previous group found
+  the code changed (the other used groups loaded the same code);
+* a spare is evicted first: when another spec needs room, idle or starting spares of
+  specs with no queued task go before idle used groups, and a spec that grows may evict
+  spares even while it has groups of its own (a spare never blocks another spec's task);
+* a spare of a spec not used within the window is stopped; a spare that failed is not
+  replaced for :data:`RETRY_AFTER_S` (a broken interpreter must not spawn in a loop).
+
+Once a spare takes a task it is an ordinary group, and the next tick starts a new spare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from cpq.broker.model import Group
+from cpq.protocol import PoolSpec
+
+#: After a spare of a spec failed (it would not start, or died idle), none is started for
+#: that spec for this long; its tasks still get groups the ordinary way.
+RETRY_AFTER_S = 60.0
+
+
+class SparePolicy:
+    """Which specs should have a spare now: those used recently, and not failing."""
+
+    def __init__(self, count: int, window_s: float) -> None:
+        self.count = count
+        self.window_s = window_s
+        self.last_used: dict[PoolSpec, float] = {}
+        self.failed_at: dict[PoolSpec, float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.count > 0
+
+    def used(self, spec: PoolSpec, now: float) -> None:
+        """A task of ``spec`` was given a group now."""
+        self.last_used[spec] = now
+
+    def failed(self, spec: PoolSpec, now: float) -> None:
+        """A spare of ``spec`` failed now: hold off replacing it."""
+        self.failed_at[spec] = now
+
+    def recent(self, spec: PoolSpec, now: float) -> bool:
+        used = self.last_used.get(spec)
+        return used is not None and now - used <= self.window_s
+
+    def wanted(self, now: float) -> list[PoolSpec]:
+        """Specs that should have a spare now (recently used, not in a failure's back-off),
+        most recently used first; forgets specs whose window has passed."""
+        for spec in [s for s in self.last_used if not self.recent(s, now)]:
+            del self.last_used[spec]
+            self.failed_at.pop(spec, None)
+        if not self.enabled:
+            return []
+        specs = [
+            spec
+            for spec in self.last_used
+            if now - self.failed_at.get(spec, -RETRY_AFTER_S) >= RETRY_AFTER_S
+        ]
+        return sorted(specs, key=lambda s: -self.last_used[s])
+
+
+def pick_idle(idle: list[Group], preferred: str, fresh: bool) -> Group | None:
+    """Which of a spec's idle groups takes the next task: a spare first when ``fresh`` (the
+    task's last group found its code changed), else the ``preferred`` group (affinity), else
+    the most recently used one; a spare only when no used group is idle."""
+    spares = [g for g in idle if g.spare]
+    if fresh and spares:
+        return spares[0]
+    used = [g for g in idle if not g.spare]
+    if not used:
+        return spares[0] if spares else None
+    for group in used:
+        if group.id == preferred:
+            return group
+    return max(used, key=lambda g: g.last_used)
+
+
+def eviction_order(
+    groups: Iterable[Group], spec: PoolSpec, queued: Callable[[PoolSpec], bool], used: bool
+) -> list[Group]:
+    """Groups of other specs that may be stopped to make room for ``spec``, in order: spares
+    (idle or starting) of specs with nothing queued, least recently used first; then, with
+    ``used``, idle used groups, those whose spec has tasks ``queued`` last."""
+    others = [g for g in groups if g.spec != spec]
+    spares = sorted(
+        (g for g in others if g.spare and g.state in ("starting", "idle") and not queued(g.spec)),
+        key=lambda g: g.last_used,
+    )
+    rest = sorted(
+        (g for g in others if used and g.state == "idle" and g not in spares),
+        key=lambda g: (queued(g.spec), g.last_used),
+    )
+    return spares + rest
