@@ -1,0 +1,108 @@
+"""Spares on a real broker (issue 15): a group that must be replaced is replaced at once.
+
+A private broker keeps one clean spare group per used spec. Two ways a group must go —
+an edit of a helper module the group imported (its ranks refuse the next task), and a
+failing task whose stuck peer makes the broker recycle the group — and in both the next
+task runs on the group that was already the idle spare when it was submitted: it waits
+for no spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import start_broker, wait_for_status
+
+from cpq import Client
+from cpq.autostart import stop_broker
+
+TARGETS = """
+import time
+
+import torch.distributed as dist
+
+from spare_helper import value
+
+
+def read():
+    return value()
+
+
+def fail_while_a_peer_hangs():
+    if dist.get_rank() == 0:
+        raise AssertionError("rank 0 fails")
+    time.sleep(120)  # rank 1 is stuck: the broker recycles the group
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("spare-project")
+    (root / "spare_targets.py").write_text(textwrap.dedent(TARGETS))
+    (root / "spare_helper.py").write_text("def value():\n    return 1\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def spare_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    state = tmp_path_factory.mktemp("spare-broker")
+    process, endpoint = start_broker(
+        state, "--gpus", "none", "--max-ranks", "4", "--spares", "1", "--failure-grace", "1"
+    )
+    try:
+        with Client(endpoint, name="test_spares") as client:
+            yield client
+    finally:
+        stop_broker(process)
+
+
+def idle_spare(client: Client, used: str) -> str:
+    """Wait (bounded) until the spec has an idle spare besides the used group ``used``."""
+
+    def found(status: dict[str, Any]) -> bool:
+        return any(p["spare"] and p["state"] == "idle" for p in status["pools"])
+
+    status = wait_for_status(client, "idle spare", found, within=120)
+    (spare,) = [p["id"] for p in status["pools"] if p["spare"] and p["state"] == "idle"]
+    assert spare != used
+    return spare
+
+
+def run(client: Client, project: Path, function: str) -> Any:
+    return client.submit(f"spare_targets:{function}", 2, roots=[str(project)], timeout=60)
+
+
+def test_after_an_edit_of_a_helper_the_next_task_runs_on_the_spare(
+    spare_client: Client, project: Path
+) -> None:
+    first = run(spare_client, project, "read")
+    assert first.outcome == "passed" and first.value == 1
+    spare = idle_spare(spare_client, first.group_id)
+    helper = project / "spare_helper.py"
+    helper.write_text("def value():\n    return 2\n")
+    stat = helper.stat()
+    os.utime(helper, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = run(spare_client, project, "read")
+    assert second.outcome == "passed" and second.value == 2, second
+    assert second.groups == [spare]  # the stale group ran nothing; the spare was ready
+    pools = {p["id"]: p for p in spare_client.status()["pools"]}
+    assert first.group_id not in pools or pools[first.group_id]["state"] == "stopping"
+
+
+def test_after_a_failure_that_recycled_a_group_the_next_task_runs_on_the_spare(
+    spare_client: Client, project: Path
+) -> None:
+    warm = run(spare_client, project, "read")
+    assert warm.outcome == "passed"
+    spare = idle_spare(spare_client, warm.group_id)
+    failing = run(spare_client, project, "fail_while_a_peer_hangs")
+    assert failing.outcome == "failed" and "recycled" in failing.message, failing.message
+    assert failing.group_id == warm.group_id
+    following = run(spare_client, project, "read")
+    assert following.outcome == "passed"
+    assert following.groups == [spare]
