@@ -76,7 +76,14 @@ class PrivateBroker:
     normally outlives sessions.
     """
 
-    def __init__(self, state: Path, log_dir: Path, gpus: str, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        state: Path,
+        log_dir: Path,
+        gpus: str,
+        env: dict[str, str],
+        extra: tuple[str, ...] = (),
+    ) -> None:
         from cpq.autostart import spawn_broker
 
         state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -89,7 +96,7 @@ class PrivateBroker:
         start = time.perf_counter()
         self.process = spawn_broker(
             self.endpoint,
-            ["--gpus", gpus, "--log-dir", str(log_dir)],
+            ["--gpus", gpus, "--log-dir", str(log_dir), *extra],
             env=self.env,
             log_path=log_dir / "broker.stdout",
             cwd=ROOT,
