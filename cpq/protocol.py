@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
@@ -22,6 +21,8 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 import msgpack
 
 from cpq import environ  # the other shared leaf: which variables are start variables
+from cpq.wirecheck import ProtocolError as ProtocolError  # re-exported: part of the API
+from cpq.wirecheck import checker, hints
 
 PROTOCOL_VERSION = 1
 
@@ -42,10 +43,6 @@ MULTICAST_OFF_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
 
 
 class EncodeError(TypeError):
@@ -419,7 +416,7 @@ def _encoder(cls: type) -> Callable[[Any], dict[str, Any]] | None:
         _ENCODERS[cls] = None
         return None
     plan = []
-    for name, hint in _hints(cls).items():
+    for name, hint in hints(cls).items():
         nested = _nested_record(hint)
         plan.append((name, nested))
 
@@ -570,120 +567,7 @@ def decode(frame: bytes) -> Message:
 
 
 _T = TypeVar("_T")
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
-        _HINTS[cls] = hints
-    return hints
-
-
-Check = Callable[[Any, str], Any]
-_CHECKS: dict[Any, Check] = {}
 
 
 def _from_wire(cls: type[_T], data: Any, where: str) -> _T:
-    return _checker(cls)(data, where)  # type: ignore[no-any-return]
-
-
-def _checker(hint: Any) -> Check:
-    """A validating converter for ``hint``, built once per type and cached.
-
-    Decoding is on the hot path of every task (broker and ranks), so the type hints are
-    interpreted once here rather than on every message.
-    """
-    check = _CHECKS.get(hint)
-    if check is None:
-        check = _CHECKS[hint] = _build_checker(hint)
-    return check
-
-
-def _build_checker(hint: Any) -> Check:
-    if hint is Any:
-        return lambda value, where: value
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        optional = type(None) in get_args(hint)
-        options = [_checker(o) for o in get_args(hint) if o is not type(None)]
-
-        def check_union(value: Any, where: str) -> Any:
-            if value is None and optional:
-                return None
-            error: ProtocolError | None = None
-            for option in options:
-                try:
-                    return option(value, where)
-                except ProtocolError as exc:
-                    error = exc
-            raise error or ProtocolError(f"{where}: unexpected {type(value).__name__}")
-
-        return check_union
-    if origin is list:
-        item = _checker(get_args(hint)[0])
-        plain = get_args(hint)[0] is Any
-
-        def check_list(value: Any, where: str) -> Any:
-            if not isinstance(value, list):
-                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-            return value if plain else [item(v, where) for v in value]
-
-        return check_list
-    if origin is dict:
-        item = _checker(get_args(hint)[1])
-        plain = get_args(hint)[1] is Any
-
-        def check_map(value: Any, where: str) -> Any:
-            if not isinstance(value, dict):
-                raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-            return value if plain else {k: item(v, where) for k, v in value.items()}
-
-        return check_map
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _record_checker(hint)
-    if hint is float:
-
-        def check_float(value: Any, where: str) -> Any:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            raise ProtocolError(f"{where}: expected float, got {type(value).__name__}")
-
-        return check_float
-    exact = hint
-
-    def check_scalar(value: Any, where: str) -> Any:
-        if isinstance(value, exact) and not (exact is int and isinstance(value, bool)):
-            return value
-        raise ProtocolError(f"{where}: expected {exact.__name__}, got {type(value).__name__}")
-
-    return check_scalar
-
-
-def _record_checker(cls: type) -> Check:
-    fields = {name: _checker(hint) for name, hint in _hints(cls).items()}
-    required = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
-
-    def check_record(data: Any, where: str) -> Any:
-        if not isinstance(data, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-        values = {}
-        for name, value in data.items():
-            check = fields.get(name)
-            if check is None:
-                raise ProtocolError(f"{where}: unknown field {name!r}")
-            values[name] = check(value, f"{where}.{name}")
-        missing = required - values.keys()
-        if missing:
-            raise ProtocolError(f"{where}: missing field(s) {sorted(missing)}")
-        try:
-            return cls(**values)
-        except ValueError as exc:  # the record refused its values (PoolSpec.__post_init__)
-            raise ProtocolError(f"{where}: {exc}") from None
-
-    return check_record
+    return checker(cls)(data, where)  # type: ignore[no-any-return]

@@ -17,6 +17,7 @@ SHARED = {
     "cpq.timings",
     "cpq.osutil",
     "cpq.environ",
+    "cpq.wirecheck",
 }
 CLIENT_SIDE = {"cpq.client", "cpq.autostart", "cpq.plugin", "cpq.cli", "cpq.render", "cpq.__main__"}
 
