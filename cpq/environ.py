@@ -23,6 +23,7 @@ classify with the same rules.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -92,13 +93,23 @@ def split(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     start: dict[str, str] = {}
     task: dict[str, str] = {}
     for name, value in environ.items():
-        if is_launcher_var(name):
-            continue
-        if is_start_var(name, extra):
+        kind = _kind(name, extra)
+        if kind == _START:
             start[name] = value
-        else:
+        elif kind == _TASK:
             task[name] = value
     return start, task
+
+
+_LAUNCHER, _START, _TASK = range(3)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(name: str, extra: frozenset[str]) -> int:
+    """A variable's kind, cached: :func:`split` runs on every submit, over every variable."""
+    if is_launcher_var(name):
+        return _LAUNCHER
+    return _START if is_start_var(name, extra) else _TASK
 
 
 def gpu_filter(spec_env: Mapping[str, str]) -> list[str] | None:

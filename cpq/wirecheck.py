@@ -71,25 +71,31 @@ def _buildchecker(hint: Any) -> Check:
     if origin is list:
         item = checker(get_args(hint)[0])
         plain = get_args(hint)[0] is Any
+        strings = get_args(hint)[0] is str
 
         def check_list(value: Any, where: str) -> Any:
             if not isinstance(value, list):
                 raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-            return value if plain else [item(v, where) for v in value]
+            if plain or (strings and all(type(v) is str for v in value)):
+                return value  # the common case, without a call per item
+            return [item(v, where) for v in value]
 
         return check_list
     if origin is dict:
         item = checker(get_args(hint)[1])
         plain = get_args(hint)[1] is Any
+        strings = get_args(hint)[1] is str
 
         def check_map(value: Any, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-            return value if plain else {k: item(v, where) for k, v in value.items()}
+            if plain or (strings and all(type(v) is str for v in value.values())):
+                return value  # an environment: dozens of strings, one pass
+            return {k: item(v, where) for k, v in value.items()}
 
         return check_map
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _recordchecker(hint)
+        return _record_checker(hint)
     if hint is float:
 
         def check_float(value: Any, where: str) -> Any:
@@ -108,7 +114,7 @@ def _buildchecker(hint: Any) -> Check:
     return check_scalar
 
 
-def _recordchecker(cls: type) -> Check:
+def _record_checker(cls: type) -> Check:
     fields = {name: checker(hint) for name, hint in hints(cls).items()}
     required = {
         f.name
@@ -116,15 +122,20 @@ def _recordchecker(cls: type) -> Check:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
 
+    paths: dict[str, dict[str, str]] = {}  # where -> field -> "where.field", built once
+
     def check_record(data: Any, where: str) -> Any:
         if not isinstance(data, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+        named = paths.get(where)
+        if named is None:
+            named = paths[where] = {name: f"{where}.{name}" for name in fields}
         values = {}
         for name, value in data.items():
             check = fields.get(name)
             if check is None:
                 raise ProtocolError(f"{where}: unknown field {name!r}")
-            values[name] = check(value, f"{where}.{name}")
+            values[name] = check(value, named[name])
         missing = required - values.keys()
         if missing:
             raise ProtocolError(f"{where}: missing field(s) {sorted(missing)}")
