@@ -139,11 +139,20 @@ def main() -> int:
             for _ in range(50):  # warm the path (allocators, caches) before measuring
                 client.submit(NOOP, 2, roots=[str(ROOT)])
             round_trips = []
+            parts: dict[str, list[float]] = {"client": [], "broker": [], "hops": [], "rank": []}
             for _ in range(args.tasks):
                 t0 = time.perf_counter()
                 result = client.submit(NOOP, 2, roots=[str(ROOT)])
                 round_trips.append(time.perf_counter() - t0)
                 assert result.outcome == "passed"
+                # Where it went: the rank's run_task (reset, capture, call), the hops from
+                # the broker's dispatch to its verdict beyond that, the broker's queueing,
+                # and the rest (client threads, client <-> broker sockets).
+                rank = max(r.duration_s for r in result.ranks)
+                parts["rank"].append(rank)
+                parts["hops"].append(result.duration_s - rank)
+                parts["broker"].append(result.queue_s)
+                parts["client"].append(round_trips[-1] - result.duration_s - result.queue_s)
             rate_1 = throughput(client, args.tasks, 1)
             rate_8 = throughput(client, args.tasks, 8)
             groups = client.status()["totals"]["groups_started"]
@@ -161,6 +170,13 @@ def main() -> int:
         "group_ready_s": ready_after,
         "first_task_wall_s": first_wall,
         "round_trip_ms": summary_ms(round_trips),
+        "round_trip_breakdown_p50_ms": {
+            "client threads and client<->broker sockets": statistics.median(parts["client"]) * 1e3,
+            "broker: submit -> dispatch": statistics.median(parts["broker"]) * 1e3,
+            "broker <-> ranks (I/O threads, hand-off, report)": statistics.median(parts["hops"])
+            * 1e3,
+            "rank run_task (reset, capture, call)": statistics.median(parts["rank"]) * 1e3,
+        },
         "stdio_pool_round_trip_ms": summary_ms(stdio) if stdio else None,
         "throughput_per_s": {"in_flight_1": rate_1, "in_flight_8": rate_8},
         "groups_started": groups,
@@ -185,6 +201,10 @@ def main() -> int:
             ]
             if sp
             else []
+        ),
+        *(
+            (f"  p50 of: {k}", f"{v:.3f} ms")
+            for k, v in results["round_trip_breakdown_p50_ms"].items()
         ),
         ("throughput, 1 in flight", f"{rate_1:.0f} tasks/s"),
         ("throughput, 8 in flight", f"{rate_8:.0f} tasks/s"),
