@@ -218,7 +218,7 @@ def test_autostart_race_ends_with_one_broker(
         with Client(endpoint) as client:
             status = client.status()
         assert status["totals"]["submitted"] == 2
-        assert status["totals"]["groups_started"] == 1
+        assert log.count("starting group ") == 1, log  # one group (and maybe its spare)
     finally:
         subprocess.run(
             [sys.executable, "-m", "cpq.cli", "stop", "--endpoint", endpoint],

@@ -53,7 +53,7 @@ BROKER_KEYS = {
 POOL_KEYS = {
     "id", "spec", "world_size", "backend", "env", "gpus", "state", "pid", "rank_pids",
     "uptime_s", "ready_after_s", "tasks_done", "rss_mb", "last_heartbeat_s", "task",
-    "stop_reason", "python", "roots", "cuda_mb", "cuda_reserved_mb", "rss_growth_mb",
+    "stop_reason", "python", "roots", "cuda_mb", "cuda_reserved_mb", "rss_growth_mb", "spare",
 }  # fmt: skip
 TASK_KEYS = {"target", "test_id", "elapsed_s", "deadline_s", "deadline_note", "attempt"}
 QUEUE_KEYS = {"spec", "world_size", "depth", "oldest_wait_s"}
