@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cpq import protocol
-from cpq.broker import snapshot
+from cpq.broker import notices, snapshot
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.liveness import check as liveness_check
@@ -415,37 +415,9 @@ class Broker:
         self.stopping = True
 
     def _say_why_waiting(self, now: float) -> None:
-        """Tell the client of a task queued for ``waiting_notice_s`` why it still waits
-        (a test that hangs without a word looks like a hang in the test)."""
         every = self.config.waiting_notice_s
-        if not every:
-            return
-        for task in self.tasks.queues:
-            if now - max(task.first_queued_at, task.waiting_said_at) < every:
-                continue
-            client = self.clients.get(task.client)
-            task.waiting_said_at = now
-            if client is None or "task-waiting" not in client.features():
-                continue
-            notice = protocol.Waiting(task.submit.task_id, self._why_waiting(task.spec, now))
-            self.transport.send_client(task.client, notice)
-
-    def _why_waiting(self, spec: PoolSpec, now: float) -> str:
-        groups = self.pools.live(spec)
-        states = [g.state for g in groups]
-        counts = ", ".join(f"{states.count(s)} {s}" for s in ("busy", "starting") if s in states)
-        resources = self.pools.resources
-        if resources.uses_gpus(spec):
-            room = f"{len(resources.free_gpus())} of {len(resources.gpus)} GPUs free"
-        else:
-            free = resources.max_ranks - resources.cpu_ranks_used
-            room = f"{free} of {resources.max_ranks} CPU ranks free"
-        others = self.tasks.queues.depth(spec) - 1
-        queued = f"{others} other task(s) of this spec queued" if others else "none queued besides"
-        return (
-            f"waiting for a {spec.label()} group ({spec.digest()}): {counts or 'none yet'}; "
-            f"{room}; {queued}"
-        )
+        for identity, notice in notices.due(self.tasks, self.pools, self.clients, now, every):
+            self.transport.send_client(identity, notice)
 
     # ---- status
 

@@ -50,7 +50,7 @@ def describe(
         "adaptive_timeout": config.adaptive_timeout,
         "adaptive_k": config.adaptive_k,
         "adaptive_floor_s": config.adaptive_floor_s,
-        "history_tests": len(tasks.history.slowest),
+        "history_tests": len(tasks.verdicts.history.slowest),
     }
 
 

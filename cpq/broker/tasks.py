@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from cpq import protocol
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
-from cpq.broker.history import History, TimingsLog
 from cpq.broker.model import Client, Group, Task, Totals, task_key
 from cpq.broker.scheduler import Queues, Resources
-from cpq.protocol import RankError, RankResult, TaskResult
-from cpq.timings import TaskTiming, fmt_seconds, history_key, read
+from cpq.broker.verdicts import Verdicts, join, verdict
+from cpq.protocol import RankError, RankResult
+from cpq.timings import fmt_seconds
 
 log = logging.getLogger("cpq.broker")
 
@@ -67,16 +67,7 @@ class Tasks:
         self.group_requests: list[GroupRequest] = []
         self.draining = False
         self._interpreters: set[str] = set()  # interpreters seen to be executable
-        self.timings = TimingsLog(config.timings_file, config.timings_max_bytes)
-        self.history = History()
-        if config.adaptive_timeout and config.timings_file is not None:
-            loaded = self.history.load(read(config.timings_file))
-            log.info(
-                "learned deadlines from %d finished tasks (%d tests) in %s",
-                loaded,
-                len(self.history.slowest),
-                config.timings_file,
-            )
+        self.verdicts = Verdicts(config, clock, totals, clients, send_client)
 
     # ---- admission
 
@@ -85,7 +76,7 @@ class Tasks:
         client.submitted += 1
         reason = self.reject_reason(message)
         requested = message.timeout or self.config.default_timeout_s
-        timeout_s, deadline_note = self.deadline_for(message, requested)
+        timeout_s, deadline_note = self.verdicts.deadline_for(message, requested)
         now = self.clock.monotonic()
         task = Task(
             client=client.identity,
@@ -107,21 +98,6 @@ class Tasks:
         self.tasks[task.key] = task
         client.in_flight.add(task.key)
         self.queues.push(task)
-
-    def deadline_for(self, message: protocol.Submit, requested: float) -> tuple[float, str]:
-        """The task's deadline: learned from history with --adaptive-timeout, else requested.
-
-        A learned deadline catches a hang after a few times the test's known worst case
-        instead of after the suite-wide default, which is sized for the slowest test.
-        """
-        if not self.config.adaptive_timeout:
-            return requested, ""
-        return self.history.deadline(
-            history_key(project_of(message.spec), message.test_id, message.target),
-            requested,
-            self.config.adaptive_k,
-            self.config.adaptive_floor_s,
-        )
 
     def reject_reason(self, message: protocol.Submit) -> str:
         if self.draining:
@@ -381,7 +357,7 @@ class Tasks:
         group_id = task.group.id if task.group else ""
         self._unassign(task)
         if task.orphaned:
-            self.finish(task, "error", message=_join(reason, detail))
+            self.finish(task, "error", message=join(reason, detail))
             return
         self.retry_once(task, reason, detail, group_id=group_id, front=True)
 
@@ -416,7 +392,7 @@ class Tasks:
             self.queues.push(task, front=front)
             return
         task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt 2{where}: {reason}")
-        message = _join(f"{reason} (twice)", detail)
+        message = join(f"{reason} (twice)", detail)
         first_reason, first_detail = task.first_failure
         if first_detail and first_detail != detail:
             message += f"\nattempt 1 ({first_reason}):\n{first_detail}"
@@ -428,94 +404,12 @@ class Tasks:
             self.finish(task, "error", message=f"the broker stopped: {why}")
 
     def finish(
-        self,
-        task: Task,
-        outcome: str,
-        message: str = "",
-        ranks: list[RankResult] | None = None,
+        self, task: Task, outcome: str, message: str = "", ranks: list[RankResult] | None = None
     ) -> None:
-        now = self.clock.monotonic()
+        """The task's verdict: it leaves the broker's books and goes to its client."""
         self.tasks.pop(task.key, None)
-        client = self.clients.get(task.client)
-        if client is not None:
-            client.in_flight.discard(task.key)
-        counter = outcome if outcome in ("passed", "failed", "skipped") else "errors"
-        setattr(self.totals, counter, getattr(self.totals, counter) + 1)
-        notes = list(task.notes)
-        first_detail = task.first_failure[1]
-        if notes and first_detail:  # the retry reached a verdict: show where attempt 1 was
-            notes[0] += f"\n{first_detail}"
-        result = TaskResult(
-            task_id=task.submit.task_id,
-            outcome=outcome,
-            ranks=ranks or [],
-            notes=notes,
-            groups=list(task.groups),
-            message=message,
-            group_id=task.group.id if task.group else "",
-            attempts=task.attempts,
-            duration_s=(now - task.started_at) if task.started_at else 0.0,
-            queue_s=(task.started_at or now) - task.first_queued_at,
-            deadline_s=task.timeout_s,
-        )
-        if task.started_at or task.attempts > 1:  # it ran, or tried to (not: rejected, cancelled)
-            self.record(task, result)
-        if not task.orphaned and client is not None:
-            features = client.features()
-            try:
-                frame = protocol.encode_for(protocol.Done(result), features)
-            except protocol.EncodeError as exc:
-                result.ranks = []
-                result.outcome, result.message = "error", f"result could not be encoded: {exc}"
-                frame = protocol.encode_for(protocol.Done(result), features)
-            self.send_client(task.client, frame)
-
-    def record(self, task: Task, result: TaskResult) -> None:
-        """Append the task to the timing history and learn from it; never raises."""
-        timing = TaskTiming(
-            finished_at=self.clock.time(),
-            target=task.submit.target,
-            test_id=task.submit.test_id,
-            spec=task.spec.label(),
-            world_size=task.spec.world_size,
-            outcome=result.outcome,
-            duration_s=result.duration_s,
-            queue_s=result.queue_s,
-            attempts=task.attempts,
-            retries=task.attempts - 1,
-            group_id=task.last_group_id,
-            deadline_s=task.timeout_s,
-            project=project_of(task.spec),
-        )
-        self.history.add(timing)
-        self.timings.append(timing)
-        self.totals.timings_write_errors = self.timings.errors
+        self.verdicts.send(task, outcome, message, ranks)
 
     def take_group_requests(self) -> list[GroupRequest]:
         requests, self.group_requests = self.group_requests, []
         return requests
-
-
-def project_of(spec: protocol.PoolSpec) -> str:
-    """Which project a task belongs to, for its timing history: the client's first root."""
-    return spec.roots[0] if spec.roots else ""
-
-
-def _join(reason: str, detail: str) -> str:
-    return f"{reason}\n{detail}" if detail else reason
-
-
-def verdict(results: list[RankResult]) -> tuple[str, str]:
-    """The outcome table: every rank's report → the task's outcome and message."""
-    outcomes = {r.outcome for r in results}
-    if "failed" in outcomes:
-        return "failed", ""
-    if outcomes == {"skipped"}:
-        return "skipped", results[0].error.message if results[0].error else ""
-    if "skipped" in outcomes:
-        skipped = [r.rank for r in results if r.outcome == "skipped"]
-        return "failed", (
-            f"rank(s) {skipped} skipped while the others ran; a skip must be taken on every "
-            "rank (call pytest.skip before any rank-dependent branch)"
-        )
-    return "passed", ""

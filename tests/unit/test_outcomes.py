@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from cpq import protocol
-from cpq.broker.tasks import verdict
+from cpq.broker.verdicts import verdict
 from cpq.protocol import RETRY_FAIL_NOTE, RETRY_NOTE, RankResult
 
 from .fakes import Sim, spec

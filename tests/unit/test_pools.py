@@ -265,7 +265,7 @@ def test_finished_tasks_are_recorded_and_learned_from(tmp_path: Path) -> None:
     (line,) = path.read_text().splitlines()
     record = json.loads(line)
     assert record["test_id"] == "t::rec" and record["duration_s"] == 4.0
-    assert sim.broker.tasks.history.slowest == {"t::rec": 4.0}
+    assert sim.broker.tasks.verdicts.history.slowest == {"t::rec": 4.0}
 
 
 # --------------------------------------------------------------------------- clients

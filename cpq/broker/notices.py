@@ -1,0 +1,50 @@
+"""Why a queued task still waits: the notice its client gets (docs/design.md, "Fidelity").
+
+A test that waits for a group without a word looks like a hang in the test. After
+``waiting_notice_s`` in the queue (and again every as long), the task's client hears why:
+how many groups of its spec are busy or starting, how much room the node has, how many
+tasks of the spec are queued. Only clients that said they read ``waiting`` get it.
+"""
+
+from __future__ import annotations
+
+from cpq import protocol
+from cpq.broker.model import Client
+from cpq.broker.pools import Pools
+from cpq.broker.tasks import Tasks
+from cpq.protocol import PoolSpec
+
+
+def due(
+    tasks: Tasks, pools: Pools, clients: dict[bytes, Client], now: float, every: float
+) -> list[tuple[bytes, protocol.Waiting]]:
+    """The notices to send now, as ``(client identity, message)``; 0 ``every``: none."""
+    if not every:
+        return []
+    out = []
+    for task in tasks.queues:
+        if now - max(task.first_queued_at, task.waiting_said_at) < every:
+            continue
+        task.waiting_said_at = now
+        client = clients.get(task.client)
+        if client is None or "task-waiting" not in client.features():
+            continue
+        text = why(task.spec, pools, tasks.queues.depth(task.spec))
+        out.append((task.client, protocol.Waiting(task.submit.task_id, text)))
+    return out
+
+
+def why(spec: PoolSpec, pools: Pools, queued: int) -> str:
+    """``waiting for a ws2/gloo group (3fa2c1): 2 busy; 0 of 6 CPU ranks free; ...``"""
+    states = [g.state for g in pools.live(spec)]
+    counts = ", ".join(f"{states.count(s)} {s}" for s in ("busy", "starting") if s in states)
+    resources = pools.resources
+    if resources.uses_gpus(spec):
+        room = f"{len(resources.free_gpus())} of {len(resources.gpus)} GPUs free"
+    else:
+        free = resources.max_ranks - resources.cpu_ranks_used
+        room = f"{free} of {resources.max_ranks} CPU ranks free"
+    others = queued - 1
+    besides = f"{others} other task(s) of this spec queued" if others else "none queued besides"
+    group = f"a {spec.label()} group ({spec.digest()})"
+    return f"waiting for {group}: {counts or 'none yet'}; {room}; {besides}"
