@@ -27,7 +27,7 @@ from conftest import ROOT, broker_reply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpq import Client, EncodeError, protocol
+from cpq import Client, EncodeError, protocol, wirecheck
 
 WS = 2
 NOOP = "workers.collectives:noop"
@@ -231,7 +231,7 @@ def messages(draw: st.DrawFn) -> bytes:
     with values of any type, and sometimes extra or missing fields."""
     kind = draw(st.sampled_from([*KINDS, "nope"]))
     cls = protocol._KINDS.get(kind)
-    names = list(protocol._hints(cls)) if cls else []
+    names = list(wirecheck.hints(cls)) if cls else []
     fields = {name: draw(trees) for name in names if draw(st.booleans())}
     if names and "spec" in names and draw(st.booleans()):
         fields["spec"] = draw(st.fixed_dictionaries({"world_size": trees, "python": trees,
