@@ -1,0 +1,110 @@
+"""How a verdict from the ranks becomes a pytest report (the plugin's reporting half).
+
+A failing rank's traceback is the report, as a local failure's would be; other ranks'
+different errors and every rank's output are report sections; retry notes go to the
+test's stderr (so JUnit's ``<system-err>`` has them); a skip on every rank is a skip.
+Arguments are checked before anything travels, so a value that cannot be sent names
+itself instead of failing on the wire.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from cpq import protocol
+from cpq.protocol import TaskResult
+
+#: Fixtures a marker test cannot use: they live in the pytest process, not on the ranks.
+RESERVED_FIXTURES = {"cpq", "request"}
+
+
+class CpqTaskFailed(Exception):
+    """A task failed or errored on the ranks; its report is built from the ranks' reports."""
+
+    def __init__(self, result: TaskResult, target: str) -> None:
+        super().__init__(result.message or result.outcome)
+        self.result = result
+        self.target = target
+
+    def longrepr(self) -> str:
+        """The report: what happened in one line, the retry notes, then the detail once
+        (the failing rank's traceback, or where each rank was when a deadline passed)."""
+        result = self.result
+        ranks = result.failed_ranks
+        first_line, _, rest = (result.message or result.outcome).partition("\n")
+        if result.outcome == "error":
+            lines = [f"cpq infra error running {self.target}: {first_line}"]
+        else:
+            failing = [r.rank for r in ranks]
+            lines = [f"cpq: {self.target} failed on rank(s) {failing} (group {result.group_id})"]
+            if result.message:
+                lines.append(first_line)
+        lines += result.notes
+        if rest:
+            lines.append(rest)
+        first = next((r for r in ranks if r.error is not None), None)
+        if first is not None and first.error is not None:
+            lines.append(f"--- rank {first.rank} ---")
+            lines.append(first.error.traceback or f"{first.error.type}: {first.error.message}")
+        return "\n".join(lines)
+
+
+def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
+    """Turn a verdict into this test's outcome (the shared path of marker and fixture)."""
+    for note in result.notes:  # in the captured stderr, so JUnit's <system-err> has them
+        sys.stderr.write(note + "\n")
+    failed = result.failed_ranks
+    streaming = item.config.getoption("capture", "fd") == "no"  # -s: show it, like a local run
+    for rank in result.ranks:
+        for stream, text in (("stdout", rank.stdout), ("stderr", rank.stderr)):
+            if not text:
+                continue
+            if streaming:
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write("".join(f"[rank {rank.rank}] {line}" for line in text.splitlines(True)))
+                out.flush()
+            else:
+                item.add_report_section("call", f"{stream} rank {rank.rank}", text)
+    shown = {failed[0].error.traceback} if failed and failed[0].error else set()
+    for rank in failed[1:]:
+        if rank.error is not None:
+            text = rank.error.traceback or rank.error.message
+            if text in shown:  # every rank failed alike: the report shows it once
+                continue
+            shown.add(text)
+            item.add_report_section("call", f"error rank {rank.rank}", text)
+    if result.outcome == "passed":
+        return
+    if result.outcome == "skipped":
+        pytest.skip(result.message or "skipped on every rank")
+    raise CpqTaskFailed(result, target)
+
+
+def travelling_args(item: pytest.Function) -> dict[str, Any]:
+    params = getattr(item, "callspec", None)
+    param_names = set(params.params) if params is not None else set()
+    args: dict[str, Any] = {}
+    for name in item._fixtureinfo.argnames:
+        value = item.funcargs[name]
+        if name in RESERVED_FIXTURES:
+            pytest.fail(
+                f"a @pytest.mark.cpq test runs on the ranks and cannot use the {name!r} fixture",
+                pytrace=False,
+            )
+        problem = protocol.travel_problem(value)
+        if problem:
+            if name in param_names:
+                what = f"parameter {name!r} = {value!r} (a {type(value).__name__})"
+            else:
+                what = f"fixture {name!r} (a {type(value).__name__})"
+            pytest.fail(
+                f"{what} cannot travel to the ranks: {problem}. Only msgpack-able values (None, "
+                "bool, int, float, str, bytes, lists and dicts of them) travel; build other "
+                "objects inside the test body.",
+                pytrace=False,
+            )
+        args[name] = value
+    return args
