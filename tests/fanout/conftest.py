@@ -36,4 +36,6 @@ def slurm() -> Iterator[SlurmCluster]:
     finally:
         left = cluster.stop()
         shutil.rmtree(directory, ignore_errors=True)
+        if directory.exists():  # a file written while it was removed: once more
+            shutil.rmtree(directory, ignore_errors=True)
     assert not left, f"processes outlived their Slurm jobs and were killed: {left}"

@@ -170,23 +170,32 @@ class SlurmCluster:
                 daemon.wait(5)
         return self.kill_leftovers()
 
-    def kill_leftovers(self) -> list[int]:
-        """SIGKILL every process whose environment places it under this cluster's directory
-        (brokers and ranks a cancelled job left behind); return their pids."""
-        marker = f"CPQ_STATE_DIR={self.dir}".encode()
+    def _leftovers(self) -> list[int]:
+        """Pids whose environment points into this cluster's directory (``TMPDIR``,
+        ``CPQ_STATE_DIR`` of a job: its brokers and ranks), other than this process."""
+        marker = f"={self.dir}".encode()
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             try:
-                environ = (entry / "environ").read_bytes()
+                if marker in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
             except OSError:
                 continue
-            if marker in environ:
-                found.append(int(entry.name))
+        return found
+
+    def kill_leftovers(self, grace_s: float = 10.0) -> list[int]:
+        """Give what the jobs started ``grace_s`` to exit, then SIGKILL what is left and
+        return those pids (a non-empty answer means a job leaked processes)."""
+        with contextlib.suppress(AssertionError):
+            wait_until("jobs' processes gone", lambda: not self._leftovers(), grace_s, 0.2)
+        found = self._leftovers()
         for pid in found:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(AssertionError):
+            wait_until("killed processes gone", lambda: not self._leftovers(), 10, 0.1)
         return found
 
     # ----------------------------------------------------------------- jobs
