@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from cpq import paths
-from cpq.fanout.cli import add_merge_arguments, run_merge
 from cpq.broker.logfile import LogFileHandler
 from cpq.fanout.cli import add_merge_arguments, run_merge
 from cpq.protocol import PoolSpec
