@@ -408,7 +408,7 @@ class Broker:
     def stop_now(self, why: str) -> None:
         self.tasks.stop_all(why)
         closing = protocol.encode(protocol.Closing(reason=why))
-        for identity, client in self.clients.items():
+        for identity, client in list(self.clients.items()):  # a send may drop a client
             if client.greeted and "broker-closing" in client.features():
                 self.transport.send_client(identity, closing)  # they hear why, at once
         self.transport.flush_outbox()
