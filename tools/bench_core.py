@@ -116,13 +116,18 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--json", type=Path, default=ROOT / "tools" / "results" / "bench_core.json")
     parser.add_argument("--no-stdio", action="store_true", help="skip the stdio pool")
+    parser.add_argument(
+        "--broker-arg", action="append", default=[], help="passed to cpq-broker (repeatable)"
+    )
     args = parser.parse_args()
     stdio = [] if args.no_stdio else stdio_round_trips(args.tasks)
 
     state = Path(tempfile.mkdtemp(prefix="cpq-bench-"))
     endpoint = f"ipc://{state / 'broker.sock'}"
+    command = [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint]
+    command += ["--gpus", "none", *args.broker_arg]
     broker = subprocess.Popen(
-        [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, "--gpus", "none"],
+        command,
         env=dict(os.environ, CPQ_STATE_DIR=str(state)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -136,6 +141,10 @@ def main() -> int:
             first_wall = time.perf_counter() - started
             assert first.outcome == "passed", first
             ready_after = client.status()["pools"][0]["ready_after_s"]
+            # Steady state: a spare the broker starts in the background (issue 15) must not
+            # spawn during the measurement.
+            while any(p["state"] == "starting" for p in client.status()["pools"]):
+                time.sleep(0.1)
             for _ in range(50):  # warm the path (allocators, caches) before measuring
                 client.submit(NOOP, 2, roots=[str(ROOT)])
             round_trips = []
