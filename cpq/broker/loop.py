@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cpq import protocol
-from cpq.broker import notices, snapshot
+from cpq.broker import notices, snapshot, warming
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.liveness import check as liveness_check
@@ -230,31 +230,13 @@ class Broker:
     def client_warm(self, client: Client, message: protocol.Warm) -> None:
         if self.draining:
             return  # a draining broker is on its way out: no new groups for future tasks
-        for index, spec in enumerate(message.specs):
-            if self.pools.resources.impossible(spec):
-                continue
-            wanted = message.counts[index] if index < len(message.counts) else 1
-            for _ in range(max(0, wanted - len(self.pools.live(spec)))):
-                if self.pools.start(spec) is None:
-                    break
+        counts = message.counts
+        wanted = [counts[i] if i < len(counts) else 1 for i in range(len(message.specs))]
+        warming.start(self.pools, list(zip(message.specs, wanted, strict=True)), quiet=True)
 
     def warm_up(self) -> None:
-        """Start the ``--warm`` groups now, so the first clients find them ready.
-
-        They only serve clients whose spec is equal, roots and interpreter included (see
-        ``cpq-broker --help`` on ``--warm-root``); a mismatch leaves them idle, never wrong.
-        """
-        for spec, count in self.config.warm:
-            impossible = self.pools.resources.impossible(spec)
-            if impossible:
-                log.warning("--warm %s: %s", spec.label(), impossible)
-                continue
-            for started in range(count):
-                if self.pools.start(spec) is None:
-                    log.warning(
-                        "--warm %s: room for %d of %d groups only", spec.label(), started, count
-                    )
-                    break
+        """Start the ``--warm`` groups now, so the first clients find them ready."""
+        warming.start(self.pools, self.config.warm, quiet=False)
         self.settle()
 
     def drop_client(self, client: Client, why: str) -> None:

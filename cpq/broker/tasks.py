@@ -13,17 +13,16 @@ it) is asked for in :attr:`Tasks.group_requests`, which the loop carries out.
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpq import protocol
+from cpq.broker.admission import Admission
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.model import Client, Group, Task, Totals, task_key
 from cpq.broker.scheduler import Queues, Resources
-from cpq.broker.verdicts import Verdicts, join, verdict
+from cpq.broker.verdicts import Verdicts, join, verdict, where
 from cpq.protocol import RankError, RankResult
 from cpq.timings import fmt_seconds
 
@@ -66,7 +65,7 @@ class Tasks:
         self.queues: Queues[Task] = Queues()
         self.group_requests: list[GroupRequest] = []
         self.draining = False
-        self._interpreters: set[str] = set()  # interpreters seen to be executable
+        self.admission = Admission(resources)
         self.verdicts = Verdicts(config, clock, totals, clients, send_client)
 
     # ---- admission
@@ -74,7 +73,7 @@ class Tasks:
     def submit(self, client: Client, message: protocol.Submit) -> None:
         self.totals.submitted += 1
         client.submitted += 1
-        reason = self.reject_reason(message)
+        reason = self.admission.reject_reason(message, self.draining)
         requested = message.timeout or self.config.default_timeout_s
         timeout_s, deadline_note = self.verdicts.deadline_for(message, requested)
         now = self.clock.monotonic()
@@ -98,26 +97,6 @@ class Tasks:
         self.tasks[task.key] = task
         client.in_flight.add(task.key)
         self.queues.push(task)
-
-    def reject_reason(self, message: protocol.Submit) -> str:
-        if self.draining:
-            return "the broker is draining and accepts no new tasks"
-        module, sep, attr = message.target.partition(":")
-        if not sep or not module or not attr:
-            return f"target {message.target!r} must look like 'package.module:function'"
-        if message.timeout is not None and not 0 < message.timeout < math.inf:
-            # NaN and inf too: a deadline that never fires lets one hung test hold a group
-            # (and its GPUs) for good; heartbeats only catch dead ranks, not stuck ones.
-            return f"timeout must be a positive, finite number of seconds, got {message.timeout}"
-        impossible = self.resources.impossible(message.spec)
-        if impossible:
-            return impossible
-        python = message.spec.python
-        if python not in self._interpreters:  # a syscall per new interpreter, not per task
-            if not (os.path.isabs(python) and os.access(python, os.X_OK)):
-                return f"interpreter {python!r} is not an executable on this node"
-            self._interpreters.add(python)  # one removed later fails its group's start
-        return ""
 
     def cancel(self, client: Client, task_id: str) -> None:
         task = self.tasks.get(task_key(client.identity, task_id))
@@ -304,7 +283,7 @@ class Tasks:
         assert group is not None
         task.stacks_until = None
         stacks = "\n".join(
-            f"--- rank {r} ---\n{self._where(task, r)}" for r in sorted(self._stack_ranks(task))
+            f"--- rank {r} ---\n{where(task, r)}" for r in sorted(self._stack_ranks(task))
         )
         if task.stacks_reason == "deadline":
             learned = f" ({task.deadline_note})" if task.deadline_note else ""
@@ -340,14 +319,6 @@ class Tasks:
             message=f"rank(s) {failed} failed; rank(s) {stuck} were stuck; the group was recycled",
             ranks=[task.results[r] for r in sorted(task.results)],
         )
-
-    @staticmethod
-    def _where(task: Task, rank_no: int) -> str:
-        if rank_no in task.stacks:
-            return task.stacks[rank_no].rstrip("\n")
-        if rank_no in task.results:
-            return f"(its part was done: {task.results[rank_no].outcome})"
-        return "(no answer: the rank is not responding)"
 
     def infra_error(self, task: Task, reason: str, detail: str = "") -> None:
         """An infrastructure failure of a running task: retry once, then ``error``.

@@ -140,6 +140,15 @@ def join(reason: str, detail: str) -> str:
     return f"{reason}\n{detail}" if detail else reason
 
 
+def where(task: Task, rank_no: int) -> str:
+    """Where a rank was when its task's deadline passed (or a peer failed), for the report."""
+    if rank_no in task.stacks:
+        return task.stacks[rank_no].rstrip("\n")
+    if rank_no in task.results:
+        return f"(its part was done: {task.results[rank_no].outcome})"
+    return "(no answer: the rank is not responding)"
+
+
 def verdict(results: list[RankResult]) -> tuple[str, str]:
     """The outcome table: every rank's report → the task's outcome and message."""
     outcomes = {r.outcome for r in results}

@@ -1,0 +1,43 @@
+"""Admission: a task that can never run is refused at submit, never queued forever.
+
+A target that is not ``module:function``, a deadline that would never fire, a spec this
+node cannot hold (a world size above its GPUs or ``--max-ranks``, an unknown backend, a
+``CUDA_VISIBLE_DEVICES`` that leaves too few GPUs) or an interpreter that is not there:
+each gets a one-line reason, sent back as the task's ``error`` verdict at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from cpq import protocol
+from cpq.broker.scheduler import Resources
+
+
+class Admission:
+    """Why a submitted task must be refused ("" when it may queue)."""
+
+    def __init__(self, resources: Resources) -> None:
+        self.resources = resources
+        self._interpreters: set[str] = set()  # interpreters seen to be executable
+
+    def reject_reason(self, message: protocol.Submit, draining: bool) -> str:
+        if draining:
+            return "the broker is draining and accepts no new tasks"
+        module, sep, attr = message.target.partition(":")
+        if not sep or not module or not attr:
+            return f"target {message.target!r} must look like 'package.module:function'"
+        if message.timeout is not None and not 0 < message.timeout < math.inf:
+            # NaN and inf too: a deadline that never fires lets one hung test hold a group
+            # (and its GPUs) for good; heartbeats only catch dead ranks, not stuck ones.
+            return f"timeout must be a positive, finite number of seconds, got {message.timeout}"
+        impossible = self.resources.impossible(message.spec)
+        if impossible:
+            return impossible
+        python = message.spec.python
+        if python not in self._interpreters:  # a syscall per new interpreter, not per task
+            if not (os.path.isabs(python) and os.access(python, os.X_OK)):
+                return f"interpreter {python!r} is not an executable on this node"
+            self._interpreters.add(python)  # one removed later fails its group's start
+        return ""
