@@ -34,7 +34,9 @@ def start_broker(state_dir: Path, *args: str) -> tuple[subprocess.Popen[bytes], 
     process = spawn_broker(
         endpoint,
         args,
-        env=dict(os.environ, CPQ_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT)),
+        # this process's environment as it is: a --warm spec the broker builds from it has
+        # the same start variables (PYTHONPATH too) as the specs this suite's clients send
+        env=dict(os.environ, CPQ_STATE_DIR=str(state_dir)),
         log_path=state_dir / "broker.stdout",
         cwd=ROOT,
     )
@@ -55,7 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # an xdist worker of this suite: the controller's broker is in os.environ
     state = Path(tempfile.mkdtemp(prefix="cpq-test-state-"))
     state.chmod(0o700)
-    process, endpoint = start_broker(state, "--max-ranks", "6")
+    process, endpoint = start_broker(
+        state, "--max-ranks", "6", "--spares", "0"
+    )  # spares: test_spares
     _shared.update(process=process, endpoint=endpoint, state=state)
     _shared["old_env"] = {k: os.environ.get(k) for k in ("CPQ_ENDPOINT", "CPQ_STATE_DIR")}
     os.environ["CPQ_ENDPOINT"] = endpoint

@@ -83,7 +83,9 @@ def warm_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     state = tmp_path_factory.mktemp("fidelity-state")
     os.environ["MYPROJ_BROKER_ONLY"] = "leaked"
     try:
-        process, endpoint = start_broker(state, "--max-ranks", "6")
+        process, endpoint = start_broker(
+            state, "--max-ranks", "6", "--spares", "0"
+        )  # spares: test_spares
     finally:
         del os.environ["MYPROJ_BROKER_ONLY"]
     yield endpoint

@@ -45,7 +45,8 @@ PRIVATE = {"world_size": 1, "backend": "gloo", "roots": [str(ROOT)]}
 # The --json schema: these key sets are the contract (docs/design.md names the top level); a
 # change here is a change for every consumer of the JSON, so it must be deliberate.
 BROKER_KEYS = {
-    "endpoint", "pid", "host", "version", "code", "protocol", "started_at", "uptime_s", "gpus",
+    "endpoint", "pid", "host", "version", "code", "protocol", "features", "started_at",
+    "uptime_s", "gpus",
     "gpus_free", "max_ranks", "heartbeat_s", "liveness", "log_dir", "draining", "idle_exit_s",
     "default_timeout_s", "max_tasks_per_group", "max_rss_growth_mb", "timings_file",
     "adaptive_timeout", "adaptive_k", "adaptive_floor_s", "history_tests",
@@ -54,9 +55,10 @@ POOL_KEYS = {
     "id", "spec", "world_size", "backend", "env", "gpus", "state", "pid", "rank_pids",
     "uptime_s", "ready_after_s", "tasks_done", "rss_mb", "last_heartbeat_s", "task",
     "stop_reason", "python", "roots", "cuda_mb", "cuda_reserved_mb", "rss_growth_mb", "spare",
+    "spec_id",
 }  # fmt: skip
 TASK_KEYS = {"target", "test_id", "elapsed_s", "deadline_s", "deadline_note", "attempt"}
-QUEUE_KEYS = {"spec", "world_size", "depth", "oldest_wait_s"}
+QUEUE_KEYS = {"spec", "spec_id", "world_size", "depth", "oldest_wait_s"}
 CLIENT_KEYS = {
     "id", "host", "pid", "name", "xdist_worker", "in_flight", "submitted", "last_seen_s",
 }  # fmt: skip
@@ -100,7 +102,8 @@ def private_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
 
     def start(*args: str) -> Broker:
         state = tmp_path / f"state{len(started)}"
-        process, endpoint = start_broker(state, "--gpus", "none", *args)
+        # no spares: these tests count the groups the broker starts (test_spares: spares)
+        process, endpoint = start_broker(state, "--gpus", "none", "--spares", "0", *args)
         started.append(process)
         return endpoint, state, process
 

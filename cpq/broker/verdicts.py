@@ -58,8 +58,11 @@ class Verdicts:
         """
         if not self.config.adaptive_timeout:
             return requested, ""
+        key = history_key(project_of(message.spec), message.test_id, message.target)
+        if key not in self.history.slowest:  # records of older brokers name no project
+            key = history_key("", message.test_id, message.target)
         return self.history.deadline(
-            history_key(project_of(message.spec), message.test_id, message.target),
+            key,
             requested,
             self.config.adaptive_k,
             self.config.adaptive_floor_s,
