@@ -31,7 +31,7 @@ import pytest
 from cpq import paths, protocol
 from cpq.fanout import plugin as fanout
 from cpq.protocol import PoolSpec, TaskResult
-from cpq.pytest_report import CpqTaskFailed, report_result, travelling_args
+from cpq.pytest_report import CpqTaskFailed, RanksRepr, report_result, travelling_args
 
 SESSION_KEY = pytest.StashKey["CpqSession"]()
 #: How a draining broker answers a submit (``cpq.broker.tasks``).
@@ -441,7 +441,7 @@ def pytest_runtest_makereport(
 ) -> Generator[None, Any, Any]:
     report = yield
     if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
-        report.longrepr = call.excinfo.value.longrepr()
+        report.longrepr = RanksRepr(call.excinfo.value.longrepr(), str(item.path))
     return report
 
 

@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 import pytest
+from _pytest._code.code import ReprFileLocation, TerminalRepr
+from _pytest._io import TerminalWriter
 
 from cpq import protocol
 from cpq.protocol import TaskResult
@@ -108,3 +110,17 @@ def travelling_args(item: pytest.Function) -> dict[str, Any]:
             )
         args[name] = value
     return args
+
+
+class RanksRepr(TerminalRepr):
+    """A failed task's report: the whole text in the failure section, its first line in
+    the short summary and JUnit's ``message`` (on CI pytest prints a plain-text report whole
+    in the summary too, which would repeat every rank's stack)."""
+
+    def __init__(self, text: str, path: str) -> None:
+        self.text = text
+        self.reprcrash = ReprFileLocation(path, 0, text.partition("\n")[0])
+
+    def toterminal(self, tw: TerminalWriter) -> None:
+        for line in self.text.splitlines():
+            tw.line(line)
