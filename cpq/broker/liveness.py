@@ -16,9 +16,13 @@ pays nothing for it.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("cpq.broker")
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -77,3 +81,23 @@ def check(
     was_busy = watch.busy
     quiet = watch.quiet_for(now, last_seen, pid, heartbeat_s * 1.5)
     return quiet, watch.busy and not was_busy
+
+
+def quiet_for(
+    watch: BusyWatch,
+    now: float,
+    last_seen: float,
+    pid: int | None,
+    heartbeat_s: float,
+    who: Callable[[], str],
+) -> tuple[float, bool]:
+    """:func:`check`, logging the first look that finds the quiet peer ``who()`` computing
+    (the caller counts it in ``busy_silences``; the label is built only then, not per tick)."""
+    quiet, excused = check(watch, now, last_seen, pid, heartbeat_s)
+    if excused:
+        log.warning(
+            "%s silent for %.1fs but computing (holding the GIL in native code?): busy, not dead",
+            who(),
+            now - last_seen,
+        )
+    return quiet, excused

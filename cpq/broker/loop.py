@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cpq import protocol
-from cpq.broker import notices, snapshot, warming
+from cpq.broker import liveness, notices, snapshot, warming
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
-from cpq.broker.liveness import check as liveness_check
 from cpq.broker.model import Client, Group, Rank, Totals
 from cpq.broker.pools import Pools, ProcessFactory, real_process
 from cpq.broker.tasks import Tasks
@@ -354,21 +353,15 @@ class Broker:
                 [i for i, c in self.clients.items() if c.greeted], list(self.pools.ranks)
             )
         for client in list(self.clients.values()):
-            quiet, excused = liveness_check(
+            quiet, excused = liveness.quiet_for(
                 client.busy_watch,
                 now,
                 client.last_seen,
                 client.local_pid(),
                 self.config.heartbeat_s,
+                client.label,
             )
-            if excused:
-                self.totals.busy_silences += 1
-                log.warning(
-                    "%s silent for %.1fs but computing (holding the GIL in native code?): "
-                    "busy, not dead",
-                    client.label(),
-                    now - client.last_seen,
-                )
+            self.totals.busy_silences += excused
             if quiet > self.config.silence_s:
                 self.drop_client(client, f"silent for {now - client.last_seen:.1f}s")
         self.pools.tick(now)

@@ -366,22 +366,15 @@ class Pools:
         # bounds it. An idle rank runs no user code: silence alone counts.
         working = group.task is not None or group.state == "starting"
         for rank in group.ranks.values():
-            quiet, excused = liveness.check(
+            quiet, excused = liveness.quiet_for(
                 rank.busy_watch,
                 now,
                 rank.last_seen,
                 rank.pid if working else None,
                 self.config.heartbeat_s,
+                lambda: f"rank {rank.rank} of group {group.id}",  # noqa: B023 - called at once
             )
-            if excused:
-                self.totals.busy_silences += 1
-                log.warning(
-                    "rank %d of group %s silent for %.1fs but computing (holding the GIL in "
-                    "native code?): busy, not dead",
-                    rank.rank,
-                    group.id,
-                    now - rank.last_seen,
-                )
+            self.totals.busy_silences += excused
             if quiet > self.config.silence_s:
                 self.fail(
                     group, f"rank {rank.rank} stopped heartbeating ({now - rank.last_seen:.1f}s)"
