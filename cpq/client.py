@@ -189,6 +189,9 @@ class Client:
             **(info or {}),
         }
         self._waiting: dict[str, list[str]] = {}  # task id -> "still waiting" notices
+        #: The task variables of the last submit, when the broker remembers them (feature
+        #: ``env-delta``): an equal set then travels as ``env_same``.
+        self._env_sent: dict[str, str] | None = None
         self._context: zmq.Context[Any] = zmq.Context()
         self._pipe_addr = f"inproc://cpq-client-{os.getpid()}-{next(_PIPE_SEQ)}"
         self._tasks: dict[str, Future[TaskResult]] = {}
@@ -308,11 +311,15 @@ class Client:
             env=task_env,
             affinity=affinity,
         )
-        frame = protocol.encode_for(message, self.broker_features)
         future: Future[TaskResult] = Future()
         future.task_id = message.task_id  # type: ignore[attr-defined]
-        with self._lock:
+        with self._lock:  # "the previous submit" is the one sent before: decide in order
             self._raise_if_failed()
+            if self._env_sent is not None and self._env_sent == task_env:
+                message.env, message.env_same = None, True
+            frame = protocol.encode_for(message, self.broker_features)
+            if "env-delta" in self.broker_features:
+                self._env_sent = task_env
             self._tasks[message.task_id] = future
             self._pipe.send(frame)
         return future
@@ -473,6 +480,8 @@ class Client:
             if self._control:
                 self._control.popleft().set_result(message)
         elif isinstance(message, protocol.ErrorReply):
+            with self._lock:
+                self._env_sent = None  # a refused submit may not have set the broker's copy
             future = self._tasks.pop(message.task_id, None) if message.task_id else None
             target = future or (self._control.popleft() if self._control else None)
             if target is not None:

@@ -208,6 +208,10 @@ class Submit(Message):
     #: With several idle groups of the spec, prefer the one that last ran this key
     #: (``cpq.broker.affinity``); "": no preference.
     affinity: str = ""
+    #: ``env`` is left out: the task's variables are those of this client's previous
+    #: submit (feature ``env-delta``; a test session rarely changes them, and decoding ~40
+    #: variables per hop was the largest CPU cost of a small task).
+    env_same: bool = False
 
 
 @dataclass
@@ -325,6 +329,9 @@ class RankReady(Message):
     #: Resident memory once ready: the baseline ``--max-rss-growth`` measures growth from.
     #: Optional (defaults to 0) so a rank of an older cpq 0.1 still decodes.
     rss_mb: float = 0.0
+    #: The optional features this rank reads (a rank may run an older cpq than its broker:
+    #: the spec's interpreter is the client's).
+    features: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -376,6 +383,8 @@ class RunTask(Message):
     test_id: str = ""
     #: The caller's task variables (None: restore the rank's baseline environment).
     env: dict[str, str] | None = None
+    #: ``env`` is left out: the variables are those of this group's previous task.
+    env_same: bool = False
 
 
 @dataclass
@@ -512,6 +521,7 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "code-freshness": {"rank_done": ("stale", "pg_seq")},
     "result-groups": {"done": ("result.groups",)},
     "task-affinity": {"submit": ("affinity",)},
+    "env-delta": {"submit": ("env_same",), "run": ("env_same",), "rank_ready": ("features",)},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

@@ -224,6 +224,17 @@ class Broker:
             self.stop_now("the broker was stopped (cpq stop)")
 
     def client_submit(self, client: Client, message: protocol.Submit) -> None:
+        if message.env_same:  # the variables of this client's previous submit
+            if not client.env_known:
+                self.totals.malformed += 1
+                self.transport.send_client(
+                    client.identity,
+                    protocol.ErrorReply("env_same before any task variables", message.task_id),
+                )
+                return
+            message.env, message.env_same = client.last_env, False
+        else:
+            client.last_env, client.env_known = message.env, True
         self.tasks.submit(client, message)
 
     def client_warm(self, client: Client, message: protocol.Warm) -> None:

@@ -42,6 +42,9 @@ class GroupProcess(Protocol):
     def reap(self) -> bool: ...
 
 
+NO_ENV: Any = object()  # a group's ranks have been sent no task variables yet
+
+
 @dataclass
 class Client:
     identity: bytes
@@ -55,6 +58,9 @@ class Client:
     #: BrokerUnavailable instead of waiting forever for tasks this broker does not have.
     greeted: bool = False
     busy_watch: BusyWatch = field(default_factory=BusyWatch)
+    #: The task variables of its last submit: what a submit with ``env_same`` means.
+    last_env: dict[str, str] | None = None
+    env_known: bool = False
 
     def local_pid(self) -> int | None:
         """The client's pid if this broker can look at its process: same host and same pid
@@ -152,6 +158,11 @@ class Group:
     unfit: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot go on
     #: Started as a spare (:mod:`cpq.broker.spares`) and has taken no task yet.
     spare: bool = False
+    #: Optional features every rank reads (from their ``rank_ready``).
+    rank_features: frozenset[str] | None = None
+    #: The task variables its ranks last got: a ``run`` with the same ones says
+    #: ``env_same`` instead of sending them again (``NO_ENV``: none sent yet).
+    last_env: Any = NO_ENV
 
 
 @dataclass

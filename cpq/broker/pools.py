@@ -321,6 +321,8 @@ class Pools:
     def rank_ready(self, group: Group, rank: Rank, message: protocol.RankReady) -> bool:
         """Record a rank's readiness; True when this made its whole group ready."""
         rank.ready = True
+        reads = frozenset(message.features)
+        group.rank_features = reads if group.rank_features is None else group.rank_features & reads
         group.rss_ready_mb[rank.rank] = message.rss_mb
         group.rss_mb.setdefault(rank.rank, message.rss_mb)  # shown until its first task
         if not (

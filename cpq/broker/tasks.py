@@ -148,15 +148,21 @@ class Tasks:
         task.results.clear()
         task.pg_seqs.clear()
         task.groups.append(group.id)
+        env = task.submit.env
+        same = (group.last_env is env or group.last_env == env) and "env-delta" in (
+            group.rank_features or ()
+        )
+        group.last_env = env
         run = protocol.RunTask(
             task_id=task.submit.task_id,
             target=task.submit.target,
             kwargs=task.submit.kwargs,
             seed=task.submit.seed,
             test_id=task.submit.test_id,
-            env=task.submit.env,
+            env=None if same else env,
+            env_same=same,
         )
-        frame = protocol.encode(run)
+        frame = protocol.encode_for(run, group.rank_features or frozenset())
         for rank in group.ranks.values():
             if not self.send_rank(rank.identity, frame):
                 return f"rank {rank.rank} is unreachable"

@@ -180,8 +180,13 @@ class Transport:
             self._lock_file.close()
 
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
+
+
 def _recv(sock: zmq.Socket[Any] | None) -> list[bytes] | None:
-    if sock is None:
+    # Asking the socket first is cheaper than the zmq.Again a NOBLOCK receive raises when
+    # nothing is waiting (every drain of the event loop ends with that question).
+    if sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
         return None
     try:
         return sock.recv_multipart(zmq.NOBLOCK)

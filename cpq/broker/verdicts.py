@@ -99,8 +99,6 @@ class Verdicts:
             queue_s=(task.started_at or now) - task.first_queued_at,
             deadline_s=task.timeout_s,
         )
-        if task.started_at or task.attempts > 1:  # it ran, or tried to (not: rejected, cancelled)
-            self.record(task, result)
         if not task.orphaned and client is not None:
             features = client.features()
             try:
@@ -110,6 +108,9 @@ class Verdicts:
                 result.outcome, result.message = "error", f"result could not be encoded: {exc}"
                 frame = protocol.encode_for(protocol.Done(result), features)
             self.send_client(task.client, frame)
+        # After the send: the client waits for the verdict, not for the history's disk write.
+        if task.started_at or task.attempts > 1:  # it ran, or tried to (not: rejected, cancelled)
+            self.record(task, result)
 
     def record(self, task: Task, result: TaskResult) -> None:
         """Append the task to the timing history and learn from it; never raises."""

@@ -1,7 +1,7 @@
 """What runs under torchrun: every rank of a warm group (``python -m cpq.rank``).
 
 * :mod:`~cpq.rank.launch` — ``python -m cpq.rank.launch``: torchrun that dies with the broker;
-* :mod:`~cpq.rank.io` — the I/O thread (the DEALER socket to the broker);
+* :mod:`~cpq.rank.io` — the link to the broker: one DEALER, main thread and watchdog take turns;
 * :mod:`~cpq.rank.runtime` — the main thread's task loop;
 * :mod:`~cpq.rank.reset`, :mod:`~cpq.rank.capture` — state reset and output capture per task;
 * :mod:`~cpq.rank.pytest_task` — the target the pytest plugin sends.

@@ -1,21 +1,30 @@
-"""A rank's I/O thread: the only thread that talks to the broker.
+"""A rank's link to the broker: one DEALER socket that two threads take turns holding.
 
-It owns the ZeroMQ DEALER: it says hello, heartbeats, hands tasks to the main thread
-(:mod:`cpq.rank.runtime`) through a queue, answers stack-dump requests by reading the main
-thread's frames, and exits the process when the broker goes silent. Because it never waits
-on the main thread, a rank stuck in a collective still heartbeats and can still say where
-it is stuck; that is why the broker also keeps a per-task deadline.
+Whoever waits holds the socket (docs/design.md, "Dispatch"). The main thread holds it while
+it waits for work: it polls the broker itself, runs a task the moment it arrives and sends
+the report itself, so a task costs no thread hand-off on the rank. While the main thread is
+busy (starting up, or in a task longer than a watchdog tick) the :class:`Watchdog` thread
+holds it instead: it heartbeats, answers stack dumps, delivers cancels and exits the process
+when the broker goes silent. Because the watchdog never waits on the main thread, a rank
+stuck in a collective still heartbeats and can still say where it is stuck; that is why the
+broker also keeps a per-task deadline.
+
+The hand-over is a lock plus a wake-up pipe: the main thread takes a free lock without
+waking anybody (the usual case: short tasks end before the watchdog's next tick); when the
+watchdog holds it, the main thread writes one byte to the pipe the watchdog polls, and the
+watchdog lets go. ZeroMQ sockets may change threads behind a full memory barrier, which the
+lock provides.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +39,6 @@ log = logging.getLogger("cpq.rank")
 CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 EXIT_BROKER_LOST = 75
-#: The in-process pipe the main thread sends its reports through (the I/O thread forwards).
-PIPE = "inproc://cpq-rank-results"
 
 
 @dataclass(frozen=True)
@@ -66,81 +73,109 @@ class RankConfig:
         )
 
 
-# --------------------------------------------------------------------------- I/O thread
+class Link:
+    """The DEALER to the broker and the rules for holding it (see the module docstring).
 
-
-class IOThread(threading.Thread):
-    """Owns the DEALER socket; the only thread that talks to the broker."""
+    Every method that touches the socket must be called by the thread holding :attr:`lock`.
+    """
 
     def __init__(self, config: RankConfig, context: zmq.Context[Any]) -> None:
-        super().__init__(name="cpq-io", daemon=True)
         self.config = config
-        self.context = context
-        self.tasks: queue.Queue[protocol.RunTask | None] = queue.Queue()
+        self.dealer = context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        self.dealer.connect(config.endpoint)
+        self.lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.dealer, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
         self.main_thread_id = threading.main_thread().ident
-        self.bound = threading.Event()
+        self.tasks: deque[protocol.RunTask] = deque()  # arrived while the watchdog held it
+        self.shutting_down = False
+        #: Bumped by the main thread when it starts a task; the watchdog takes the socket
+        #: only from a task it saw at two ticks in a row (a short task never wakes it).
+        self.task_seq = 0
+        self.busy = True  # the main thread starts busy: init, preloads
+        self.last_heard = self.last_sent = time.monotonic()
+        self._heartbeat = protocol.encode(protocol.Heartbeat())
 
-    def run(self) -> None:
-        cfg = self.config
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-        dealer.connect(cfg.endpoint)
-        pipe = self.context.socket(zmq.PAIR)
-        pipe.setsockopt(zmq.LINGER, 0)
-        pipe.bind(PIPE)
-        self.bound.set()
-        hello = protocol.RankHello(
-            group_id=cfg.group_id,
-            token=cfg.token,
-            rank=cfg.rank,
-            local_rank=cfg.local_rank,
-            pid=os.getpid(),
-        )
-        dealer.send(protocol.encode(hello))
-        heartbeat = protocol.encode(protocol.Heartbeat())
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(pipe, zmq.POLLIN)
-        last_heard = last_sent = time.monotonic()
-        silence_limit = cfg.heartbeat_s * cfg.liveness
-        while True:
-            events = dict(poller.poll(timeout=int(cfg.heartbeat_s * 1000 / 2)))
-            now = time.monotonic()
-            if dealer in events:
-                last_heard = now
-                self._on_broker_frame(dealer, dealer.recv())
-            if pipe in events:
-                dealer.send(pipe.recv())
-                last_sent = now
-            if now - last_sent >= cfg.heartbeat_s:
-                dealer.send(heartbeat)
-                last_sent = now
-            # Before calling the broker lost, look for frames that arrived while this thread
-            # could not run (the task held the GIL): those are the broker's heartbeats.
-            if now - last_heard > silence_limit and not dealer.poll(0):
-                log.error("broker silent for %.1fs; exiting", now - last_heard)
-                hard_exit(EXIT_BROKER_LOST)
+    # ---- the main thread's side
 
-    def _on_broker_frame(self, dealer: zmq.Socket[Any], frame: bytes) -> None:
+    def take(self) -> None:
+        """Hold the socket (main thread): free at once, or after waking the watchdog."""
+        if not self.lock.acquire(blocking=False):
+            os.write(self._wake_w, b"w")
+            self.lock.acquire()
+        self.busy = False
+
+    def give(self) -> None:
+        """Let go of the socket before a task (main thread)."""
+        self.task_seq += 1
+        self.busy = True
+        self.lock.release()
+
+    def next_task(self) -> protocol.RunTask | None:
+        """Wait for the broker's next task while holding the socket; ``None``: shut down."""
+        while not self.tasks:
+            if self.shutting_down:
+                return None
+            self.pump(int(self.config.heartbeat_s * 500))
+        return self.tasks.popleft()
+
+    # ---- either side, holding the lock
+
+    def send(self, frame: bytes) -> None:
+        self.dealer.send(frame)
+        self.last_sent = time.monotonic()
+
+    def pump(self, timeout_ms: int) -> bool:
+        """Poll once: handle what the broker sent, heartbeat when due, give up on a silent
+        broker. Returns True when the wake-up pipe was written (the other thread wants in)."""
+        events = dict(self.poller.poll(timeout=timeout_ms))
+        now = time.monotonic()
+        woken = self._wake_r in events
+        if woken:
+            while True:
+                try:
+                    if not os.read(self._wake_r, 64):
+                        break
+                except BlockingIOError:
+                    break
+        if self.dealer in events:
+            self.last_heard = now
+            while self.dealer.poll(0):
+                self._on_broker_frame(self.dealer.recv())
+        if now - self.last_sent >= self.config.heartbeat_s:
+            self.send(self._heartbeat)
+        # Before calling the broker lost, look for frames that arrived while this thread
+        # could not run (the task held the GIL): those are the broker's heartbeats.
+        silence = now - self.last_heard
+        if silence > self.config.heartbeat_s * self.config.liveness and not self.dealer.poll(0):
+            log.error("broker silent for %.1fs; exiting", silence)
+            hard_exit(EXIT_BROKER_LOST)
+        return woken
+
+    def _on_broker_frame(self, frame: bytes) -> None:
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
             log.error("dropping a malformed frame from the broker: %s", exc)
             return
         if isinstance(message, protocol.RunTask):
-            self.tasks.put(message)
+            self.tasks.append(message)
         elif isinstance(message, protocol.CancelTask):
             cancel.request(message.task_id, self.main_thread_id)
         elif isinstance(message, protocol.DumpStacks):
             stacks = protocol.RankStacks(
                 task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
             )
-            dealer.send(protocol.encode(stacks))
+            self.send(protocol.encode(stacks))
         elif isinstance(message, protocol.Shutdown):
-            self.tasks.put(None)
-            # A main thread stuck in a collective never reads the queue: leave anyway.
-            threading.Timer(self.config.heartbeat_s * 2, hard_exit, args=(0,)).start()
+            self.shutting_down = True
+            if self.busy:  # a main thread stuck in a collective never looks: leave anyway
+                threading.Timer(self.config.heartbeat_s * 2, hard_exit, args=(0,)).start()
 
     def main_stack(self) -> str:
         """Where the main thread is in the user's code: the frames below cpq's own (the
@@ -151,6 +186,43 @@ class IOThread(threading.Thread):
         if not cancel.current():
             return "(not in the task: its part was done)"
         return user_stack(traceback.extract_stack(frame))
+
+
+class Watchdog(threading.Thread):
+    """Holds the link while the main thread cannot: at start-up, and in long tasks."""
+
+    def __init__(self, link: Link) -> None:
+        super().__init__(name="cpq-watchdog", daemon=True)
+        self.link = link
+        self.tick_s = min(0.25, link.config.heartbeat_s / 4)
+        link.lock.acquire()  # held from the start: the main thread is busy starting up
+
+    def run(self) -> None:
+        link, cfg = self.link, self.link.config
+        hello = protocol.RankHello(
+            group_id=cfg.group_id,
+            token=cfg.token,
+            rank=cfg.rank,
+            local_rank=cfg.local_rank,
+            pid=os.getpid(),
+        )
+        link.send(protocol.encode(hello))
+        self._hold()
+        seen = -1
+        while True:
+            time.sleep(self.tick_s)
+            seq = link.task_seq
+            if link.busy and seq == seen and link.lock.acquire(blocking=False):
+                self._hold()
+            seen = seq
+
+    def _hold(self) -> None:
+        """Serve the socket until the main thread asks for it back, then let go."""
+        try:
+            while not self.link.pump(int(self.tick_s * 1000)):
+                pass
+        finally:
+            self.link.lock.release()
 
 
 def user_stack(frames: traceback.StackSummary) -> str:

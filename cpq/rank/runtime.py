@@ -1,8 +1,9 @@
 """The rank runtime: what every rank of a warm group runs (``torchrun ... -m cpq.rank``).
 
-Two threads per rank. The I/O thread (:mod:`cpq.rank.io`) owns the ZeroMQ DEALER. The main
-thread, here, initialises the process group once and then loops: take a task, reset
-state, import and call the target with fd-level capture, report.
+Two threads per rank share one ZeroMQ DEALER (:mod:`cpq.rank.io`). The main thread, here,
+initialises the process group once and then loops: wait for a task on the socket, reset
+state, import and call the target with fd-level capture, report on the socket. The watchdog
+thread holds the socket while the main thread is busy (start-up, long tasks).
 
 Only :mod:`cpq.protocol` is shared with the broker; everything here is configured through
 ``CPQ_*`` variables the group supervisor sets.
@@ -28,7 +29,7 @@ from cpq.osutil import die_with_parent
 from cpq.rank import cancel
 from cpq.rank.capture import FdCapture
 from cpq.rank.freshness import CodeWatch
-from cpq.rank.io import CPQ_DIR, PIPE, IOThread, RankConfig, hard_exit
+from cpq.rank.io import CPQ_DIR, Link, RankConfig, Watchdog, hard_exit
 from cpq.rank.reset import Baseline, load_hooks_from_env, reset_state
 
 log = logging.getLogger("cpq.rank")
@@ -108,12 +109,19 @@ def _is_skip(exc: BaseException) -> bool:
 
 
 def _rss_mb() -> float:
+    """This process's resident memory now; one ``pread`` of a descriptor kept open."""
+    global _STATM_FD
     try:
-        with open("/proc/self/statm") as statm:
-            pages = int(statm.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
+        if _STATM_FD < 0:
+            _STATM_FD = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        pages = int(os.pread(_STATM_FD, 128, 0).split()[1])
+        return pages * _PAGE_BYTES / 2**20
+    except (OSError, IndexError, ValueError):
         return 0.0
+
+
+_STATM_FD = -1
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def _cuda_now_mb() -> tuple[float, float]:
@@ -248,12 +256,8 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     context: zmq.Context[Any] = zmq.Context()
-    io = IOThread(config, context)
-    io.start()
-    io.bound.wait()
-    results = context.socket(zmq.PAIR)
-    results.setsockopt(zmq.LINGER, 0)
-    results.connect(PIPE)
+    link = Link(config, context)
+    Watchdog(link).start()  # says hello and heartbeats while this thread starts up
     for root in reversed(config.roots):
         if root not in sys.path:
             sys.path.insert(0, root)
@@ -262,17 +266,26 @@ def main() -> None:
     load_hooks_from_env()
     cancel.install()
     ready = protocol.RankReady(
-        rank=config.rank, startup_s=time.monotonic() - started, rss_mb=_rss_mb()
+        rank=config.rank,
+        startup_s=time.monotonic() - started,
+        rss_mb=_rss_mb(),
+        features=sorted(protocol.ALL_FEATURES),
     )
     # Fields the broker that spawned us cannot read stay home (see protocol.FEATURE_FIELDS).
     features = frozenset(os.environ.get(protocol.FEATURES_ENV, "").split(","))
     check_code = "code-freshness" in features  # an older broker could not act on "stale"
     watch.scan(started_ns)
-    results.send(protocol.encode_for(ready, features))
+    link.take()
+    link.send(protocol.encode_for(ready, features))
     log.info("ready after %.2fs", ready.startup_s)
     baseline = Baseline.capture()
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
-    while (task := io.tasks.get()) is not None:
+    last_env: dict[str, str] | None = None
+    while (task := link.next_task()) is not None:
+        link.give()  # the watchdog heartbeats for a task that outlasts its tick
+        if task.env_same:  # the broker left out the variables: the previous task's
+            task.env = last_env
+        last_env = task.env
         task_started_ns = time.time_ns()
         stale = watch.changed() if check_code else ""
         if stale:  # run nothing: the broker sends the task to a fresh group
@@ -291,7 +304,8 @@ def main() -> None:
             cuda_reserved_mb=cuda_reserved_mb,
             unfit=_unfit_reason(),
             stale=stale,
-            pg_seq=_pg_sequence(),
+            # Only a cancelled task's report needs it (Tasks._interrupted); ~20 us otherwise.
+            pg_seq=_pg_sequence() if cancel.requested_for(task.task_id) else -1,
         )
         try:
             frame = protocol.encode_for(done, features)
@@ -300,7 +314,8 @@ def main() -> None:
             result.error = protocol.RankError("cpq.EncodeError", str(exc))
             result.outcome, result.value = "failed", None
             frame = protocol.encode_for(done, features)
-        results.send(frame)
+        link.take()
+        link.send(frame)
     log.info("shutting down")
     hard_exit(0)
 
