@@ -1,24 +1,23 @@
 """``cpq.Client``: submit tasks to a broker and wait for their verdicts.
 
-The client mirrors the rank's threading: a background I/O thread owns the DEALER socket,
-heartbeats, and resolves futures as verdicts arrive, so a test process can keep several
-tasks in flight, notices a dead broker within ``liveness x heartbeat`` seconds even while it
-waits, and the broker notices a dead client the same way (and drops its queued tasks).
-Callers talk to the I/O thread through an inproc PAIR socket guarded by a lock.
+The client mirrors the rank's threading: one DEALER socket, held by whichever thread waits
+(:mod:`cpq.client_socket`). A caller of :meth:`Client.submit` sends and reads its verdict
+itself; a background thread heartbeats between tasks and resolves the futures of
+:meth:`Client.submit_async`, so a test process can keep several tasks in flight, notices a
+dead broker within ``liveness x heartbeat`` seconds even while it waits, and the broker
+notices a dead client the same way (and drops its queued tasks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import os
 import socket
 import sys
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from typing import Any
 import zmq
 
 from cpq import environ, paths, protocol
+from cpq.client_socket import SharedSocket
 from cpq.osutil import pid_namespace
 from cpq.protocol import PoolSpec, TaskResult
 
@@ -159,9 +159,6 @@ def check_timeout(timeout: float) -> float:
     return seconds
 
 
-_PIPE_SEQ = itertools.count()
-
-
 class Client:
     """A connection to a broker. Use as a context manager, or call :meth:`close`."""
 
@@ -193,23 +190,30 @@ class Client:
         #: ``env-delta``): an equal set then travels as ``env_same``.
         self._env_sent: dict[str, str] | None = None
         self._context: zmq.Context[Any] = zmq.Context()
-        self._pipe_addr = f"inproc://cpq-client-{os.getpid()}-{next(_PIPE_SEQ)}"
         self._tasks: dict[str, Future[TaskResult]] = {}
         self._control: deque[Future[Any]] = deque()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._failure: BrokerUnavailable | None = None
-        self._thread = threading.Thread(target=self._io_main, name="cpq-client-io", daemon=True)
-        bound = threading.Event()
-        self._bound = bound
-        self._thread.start()
-        bound.wait()
-        if self._failure is not None:  # the I/O thread could not even set up its sockets
+        try:
+            self._socket = SharedSocket(
+                self._context,
+                self.endpoint,
+                self._on_frame,
+                self._on_silence,
+                heartbeat_s,
+                liveness,
+            )
+        except zmq.ZMQError as exc:  # a malformed endpoint, a refused key file
             self._context.term()
-            raise self._failure
-        self._pipe = self._context.socket(zmq.PAIR)
-        self._pipe.setsockopt(zmq.LINGER, 0)
-        self._pipe.connect(self._pipe_addr)
+            raise BrokerUnavailable(
+                f"cannot connect to a cpq broker at {self.endpoint}: {exc}"
+            ) from None
+        except BaseException:
+            self._context.term()
+            raise
+        self._thread = threading.Thread(target=self._serve, name="cpq-client-io", daemon=True)
+        self._thread.start()
         try:
             welcome = self._control_request(protocol.Hello(client=self._info), connect_timeout_s)
         except BaseException:
@@ -223,6 +227,8 @@ class Client:
         with contextlib.suppress(KeyError, TypeError, ValueError):
             self.heartbeat_s = min(self.heartbeat_s, float(self.broker["heartbeat_s"]))
             self.liveness = min(self.liveness, int(self.broker["liveness"]))
+        self._socket.heartbeat_s, self._socket.liveness = self.heartbeat_s, self.liveness
+        self._socket.watching = True
 
     # ---- public API
 
@@ -259,19 +265,35 @@ class Client:
             roots=roots,
             backend=backend,
             affinity=affinity,
+            _lead=True,
         )
-        if on_wait is None:
-            return future.result()
         task_id: str = future.task_id  # type: ignore[attr-defined]
         try:
-            while True:
-                try:
-                    return future.result(timeout=0.25)
-                except TimeoutError:
-                    for notice in self._take_waiting(task_id):
-                        on_wait(notice)
+            self._wait(future, on_wait)
         finally:
             self._waiting.pop(task_id, None)
+        return future.result()
+
+    def _wait(self, future: Future[TaskResult], on_wait: Callable[[str], None] | None) -> None:
+        """Read the socket in this thread until ``future`` is done (no thread hand-off);
+        while another caller's thread holds the socket, it reads for this one too."""
+        task_id: str = future.task_id  # type: ignore[attr-defined]
+        sock = self._socket
+        while not future.done():
+            if sock.take(timeout_s=0.05):
+                try:
+                    while not future.done():
+                        sock.pump(int(min(250, self.heartbeat_s * 500)))
+                        if on_wait is not None:
+                            for notice in self._take_waiting(task_id):
+                                on_wait(notice)
+                finally:
+                    sock.release()
+                    if self._tasks or self._control:  # others' futures: the background reads
+                        sock.kicked.set()
+            elif on_wait is not None:
+                for notice in self._take_waiting(task_id):
+                    on_wait(notice)
 
     def _take_waiting(self, task_id: str) -> list[str]:
         with self._lock:
@@ -293,6 +315,7 @@ class Client:
         roots: list[str] | None = None,
         backend: str = "",
         affinity: str = "",
+        _lead: bool = False,
     ) -> Future[TaskResult]:
         """Like :meth:`submit` but returns a future; many may be in flight at once."""
         kwargs = dict(kwargs or {})
@@ -321,7 +344,9 @@ class Client:
             if "env-delta" in self.broker_features:
                 self._env_sent = task_env
             self._tasks[message.task_id] = future
-            self._pipe.send(frame)
+            sent_now = self._socket.send(frame)
+        if sent_now and not _lead:  # nobody holds the socket to read the verdict
+            self._socket.kicked.set()
         return future
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -342,12 +367,10 @@ class Client:
         if self._closed.is_set():
             return
         with self._lock:
-            if self._failure is None and hasattr(self, "_pipe"):
-                self._pipe.send(protocol.encode(protocol.Goodbye()))
             self._closed.set()
+        self._socket.kicked.set()
         self._thread.join(timeout=5)
-        if hasattr(self, "_pipe"):
-            self._pipe.close(0)
+        self._socket.close(protocol.encode(protocol.Goodbye()), say=self._failure is None)
         self._context.term()
 
     def __enter__(self) -> Client:
@@ -368,7 +391,7 @@ class Client:
         frame = protocol.encode(message)
         with self._lock:
             self._raise_if_failed()
-            self._pipe.send(frame)
+            self._socket.send(frame)
 
     def _control_request(self, message: protocol.Message, timeout_s: float) -> Any:
         future: Future[Any] = Future()
@@ -376,7 +399,8 @@ class Client:
         with self._lock:
             self._raise_if_failed()
             self._control.append(future)
-            self._pipe.send(frame)
+            self._socket.send(frame)
+        self._socket.kicked.set()  # the background thread reads the answer
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
@@ -385,78 +409,22 @@ class Client:
                 "(start one with `cpq-broker`, or let the pytest plugin start it)"
             ) from None
 
-    def _io_main(self) -> None:
-        """The I/O thread. If it dies, every caller hears of it instead of waiting forever."""
+    def _serve(self) -> None:
+        """The background thread. If it dies, every caller hears of it instead of waiting."""
         try:
-            self._io_loop()
+            self._socket.serve(lambda: bool(self._tasks or self._control), self._closed)
         except BaseException as exc:
             log.debug("the cpq client's I/O thread failed", exc_info=True)
             self._fail_all(BrokerUnavailable(f"the cpq client's I/O thread failed: {exc!r}"))
-        finally:
-            self._bound.set()
 
-    def _io_loop(self) -> None:
-        from cpq import security  # local: only clients of tcp endpoints need keys
-
-        dealer = self._context.socket(zmq.DEALER)
-        try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-            security.configure_client(dealer, self.endpoint)
-            dealer.connect(self.endpoint)  # a malformed endpoint raises here
-        except BaseException:
-            dealer.close(0)
-            raise
-        pipe = self._context.socket(zmq.PAIR)
-        pipe.setsockopt(zmq.LINGER, 0)
-        pipe.bind(self._pipe_addr)
-        self._bound.set()
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(pipe, zmq.POLLIN)
-        heartbeat = protocol.encode(protocol.Heartbeat())
-        goodbye = protocol.encode(protocol.Goodbye())
-        last_heard = last_sent = time.monotonic()
-        try:
-            while not self._closed.is_set():
-                events = dict(poller.poll(timeout=int(self.heartbeat_s * 500)))
-                now = time.monotonic()
-                if pipe in events:
-                    while pipe.poll(0):
-                        frame = pipe.recv()
-                        if frame == goodbye:  # close() sent it last: stop now, not a poll later
-                            # Never block on it: with no broker connected (a refused CURVE
-                            # handshake, say) a DEALER's send would wait.
-                            with contextlib.suppress(zmq.Again):
-                                dealer.send(frame, zmq.NOBLOCK)
-                            return
-                        dealer.send(frame)
-                    last_sent = now
-                if dealer in events:
-                    last_heard = now
-                    while dealer.poll(0):
-                        self._on_frame(dealer.recv())
-                if now - last_sent >= self.heartbeat_s:
-                    with contextlib.suppress(zmq.Again):  # same: no broker, no heartbeat
-                        dealer.send(heartbeat, zmq.NOBLOCK)
-                    last_sent = now
-                # Before the broker's welcome, the connect time-out is what counts.
-                silence_limit = self.heartbeat_s * self.liveness  # the welcome may lower it
-                silent = now - last_heard > silence_limit
-                # Frames that arrived while this thread waited for the GIL are signs of life.
-                if self.broker and self._failure is None and silent and not dealer.poll(0):
-                    self._fail_all(
-                        BrokerUnavailable(
-                            f"the cpq broker stopped answering ({now - last_heard:.1f}s "
-                            f"without a heartbeat: it died or was killed) at {self.endpoint}"
-                        )
-                    )
-            while pipe.poll(0):  # a final goodbye
-                with contextlib.suppress(zmq.Again):
-                    dealer.send(pipe.recv(), zmq.NOBLOCK)
-        finally:
-            dealer.close(0)
-            pipe.close(0)
+    def _on_silence(self, silent_s: float) -> None:
+        if self._failure is None:
+            self._fail_all(
+                BrokerUnavailable(
+                    f"the cpq broker stopped answering ({silent_s:.1f}s without a heartbeat: "
+                    f"it died or was killed) at {self.endpoint}"
+                )
+            )
 
     def _on_frame(self, frame: bytes) -> None:
         try:
