@@ -309,7 +309,7 @@ class Heartbeat(Message):
 
 @dataclass
 class RankHello(Message):
-    """Sent by a rank's I/O thread as soon as it connects, before the process group exists."""
+    """Sent by a rank's watchdog thread as soon as it connects, before the process group exists."""
 
     KIND: ClassVar[str] = "rank_hello"
     group_id: str

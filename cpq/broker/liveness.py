@@ -1,6 +1,6 @@
 """Telling a silent peer that is busy from one that is dead.
 
-Heartbeats come from an I/O thread, and a CPython thread needs the GIL to send one. A main
+While a peer is busy its heartbeats come from a second thread, which needs the GIL. A main
 thread that holds the GIL in native code for seconds (a long C call, loading a big
 extension, a pytest session importing a heavy test module) silences a healthy peer, and
 ``liveness x heartbeat`` of silence would have it declared dead: a rank's group killed

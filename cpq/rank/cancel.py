@@ -1,6 +1,6 @@
 """Interrupting a running task whose client went away (docs/design.md, "Abandoned tasks").
 
-The broker sends ``cancel_task``; the rank's I/O thread records which task to cancel and
+The broker sends ``cancel_task``; the rank's watchdog thread records which task to cancel and
 sends ``SIGUSR2`` to the main thread. Its handler raises :class:`TaskCancelled` in the task
 (a ``BaseException``, so ``except Exception`` in user code does not swallow it), which
 wakes blocking calls such as ``time.sleep`` or a socket read: the task unwinds, the rank
@@ -58,7 +58,7 @@ def install() -> None:
 
 
 def request(task_id: str, main_thread_id: int | None) -> None:
-    """Cancel ``task_id`` (from the I/O thread): now if it runs, at its start if it is next."""
+    """Cancel ``task_id`` (from the watchdog thread): now if it runs, at its start if it is next."""
     with _lock:
         _state.requested = task_id
     if main_thread_id is not None and _state.running == task_id:

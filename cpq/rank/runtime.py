@@ -250,7 +250,7 @@ def main() -> None:
         format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
     )
     started = time.monotonic()
-    # Import torch before the I/O thread says hello: loading its shared libraries holds the
+    # Import torch before the watchdog says hello: loading its shared libraries holds the
     # GIL for seconds on a busy node, which would silence the heartbeats of a rank the
     # broker already counts (and fail a group that is only starting slowly).
     import torch.distributed  # noqa: F401

@@ -34,6 +34,7 @@ class FakeWire:
         self.on_client_gone: Callable[[bytes], None] = lambda identity: None
         self.to_clients: list[tuple[bytes, protocol.Message]] = []
         self.to_ranks: list[tuple[bytes, protocol.Message]] = []
+        self.raw_to_ranks: list[tuple[bytes, bytes]] = []  # the frames as sent
         self.heartbeats = 0
         self.unreachable_ranks: set[bytes] = set()
         self.gone_clients: set[bytes] = set()
@@ -66,6 +67,7 @@ class FakeWire:
     def send_rank(self, identity: bytes, frame: bytes) -> bool:
         if identity in self.unreachable_ranks:
             return False
+        self.raw_to_ranks.append((identity, frame))
         self.to_ranks.append((identity, protocol.decode(frame)))
         return True
 
@@ -205,15 +207,22 @@ class Sim:
     def rank_id(group_id: str, rank: int) -> bytes:
         return f"{group_id}/r{rank}".encode()
 
-    def bring_up(self, group_id: str, rss_mb: float = 100.0) -> Group:
-        """Every rank of ``group_id`` says hello and ready."""
+    def bring_up(
+        self,
+        group_id: str,
+        rss_mb: float = 100.0,
+        features: Iterable[str] = protocol.ALL_FEATURES,
+    ) -> Group:
+        """Every rank of ``group_id`` says hello and ready (reading ``features``)."""
         group = self.broker.pools.groups[group_id]
         for rank in range(group.spec.world_size):
             self.rank_hello(group_id, rank)
         for rank in range(group.spec.world_size):
             self.rank_send(
                 self.rank_id(group_id, rank),
-                protocol.RankReady(rank=rank, startup_s=1.0, rss_mb=rss_mb),
+                protocol.RankReady(
+                    rank=rank, startup_s=1.0, rss_mb=rss_mb, features=sorted(features)
+                ),
             )
         return group
 
