@@ -211,6 +211,34 @@ def test_environment_cwd_and_rng_do_not_leak_between_tasks(client: Client) -> No
         assert c.value["random"] != a.value["random"]  # the task's seed is honoured
 
 
+def test_each_task_sees_the_callers_variables_of_its_submit(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unchanged variables travel once (docs/design.md, "Dispatch"), yet every task on the
+    warm group sees exactly what the caller had when it submitted, also after a task that
+    changed its own environment."""
+    names = ["CPQ_TEST_FLAG", "CPQ_TEST_POLLUTION"]
+    seen, group_ids = [], set()
+    steps = ["a", "a", "pollute", "a", "b", None, None, "a"]
+    for step in steps:
+        if step == "pollute":
+            result = client.submit("workers.collectives:pollute_state", WS)
+        else:
+            if step is None:
+                monkeypatch.delenv("CPQ_TEST_FLAG", raising=False)
+            else:
+                monkeypatch.setenv("CPQ_TEST_FLAG", step)
+            result = client.submit("workers.collectives:getenv", WS, {"names": names})
+            seen.append({r.rank: r.value for r in result.ranks})
+        assert result.outcome == "passed", explain(result)
+        group_ids.add(result.group_id)
+    expected = [s for s in steps if s != "pollute"]
+    for ranks, flag in zip(seen, expected, strict=True):
+        for rank in range(WS):
+            assert ranks[rank] == {"CPQ_TEST_FLAG": flag, "CPQ_TEST_POLLUTION": None}
+    assert len(group_ids) == 1  # one warm group throughout
+
+
 def test_flooded_output_is_bounded_keeping_head_and_tail(client: Client) -> None:
     result = client.submit("workers.faults:flood_output", WS, {"megabytes": 20})
     assert result.outcome == "passed", explain(result)

@@ -118,6 +118,11 @@ def skip_everywhere(reason: str = "not supported here") -> None:
     pytest.skip(reason)
 
 
+def getenv(names: list[str]) -> dict[str, str | None]:
+    """The task's view of these environment variables."""
+    return {name: os.environ.get(name) for name in names}
+
+
 def pollute_state(seed_probe: bool = True) -> dict[str, Any]:
     """Changes what a warm rank must reset, and reports the state it found on entry."""
     found = {
