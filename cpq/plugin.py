@@ -136,6 +136,7 @@ class CpqSession:
         self._roots: list[str] | None = None
         self.started_broker = False
         self.warmed: dict[PoolSpec, int] = {}
+        self.warm_tried: set[PoolSpec] = set()  # asked for during collection (once per spec)
         #: Why the broker is gone, once it is: every later cpq test fails with this one line
         #: instead of a client traceback (a new broker is not started behind the user's back).
         self.broker_gone: str = ""
@@ -292,6 +293,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]
+    if session.config.option.collectonly:
+        return  # nothing will run: start nothing
     if cache is None or (not cpq_session.autostart and not _broker_running(cpq_session)):
         return
     recorded = cache.get(WARM_CACHE_KEY, None)
@@ -352,8 +355,31 @@ def _affinity(item: pytest.Item) -> str:
     return str(key) if key is not None else default_affinity(item.nodeid)
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Start a spec's group the moment its first test is collected: the spawn then overlaps
+    the rest of collection (a suite importing torch and its helpers collects for seconds).
+    A session whose cache already warmed the spec sends nothing; the warm-up after
+    collection asks for as many groups as the selection can use."""
+    if item.config.option.collectonly:
+        return
+    cpq_session = item.config.stash.get(SESSION_KEY, None)
+    try:
+        args = _marker_args(item)
+    except pytest.UsageError:
+        return  # reported, with the test's name, when the test runs
+    if cpq_session is None or args is None:
+        return
+    spec = cpq_session.spec(args[0], args[2])
+    if spec in cpq_session.warmed or spec in cpq_session.warm_tried:
+        return
+    cpq_session.warm_tried.add(spec)
+    cpq_session.warm([spec], [1])
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the groups the selected tests need while the first tests are being set up."""
+    if session.config.option.collectonly:
+        return  # nothing will run: start nothing
     cpq_session = session.config.stash[SESSION_KEY]
     needed: Counter[PoolSpec] = Counter()
     for item in session.items:

@@ -172,6 +172,68 @@ def test_the_code_check_holds_on_every_warm_group(warm_broker: str, tmp_path: Pa
         assert set(run_pytest(tmp_path, env, "-n", "2")[0].values()) == {"failed"}
 
 
+JIT = """
+import importlib.util
+import os
+import sys
+
+
+def load():
+    \"\"\"What Triton and TorchInductor do: write a generated module into a cache directory
+    unless it is there (its name is a hash of its source), then import it.\"\"\"
+    name = "generated_kernel_" + os.environ["MYPROJ_JIT_NAME"]
+    path = os.path.join(os.environ["MYPROJ_JIT_DIR"], name + ".py")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as out:
+            out.write("VALUE = 42\\n")
+        os.replace(path + ".tmp", path)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name].VALUE
+"""
+
+
+def test_generated_code_in_a_compiler_cache_keeps_the_group_warm(
+    warm_broker: str, tmp_path: Path
+) -> None:
+    """A kernel compiled during a test lands in the compiler's cache: the group stays warm
+    (seen on GPUs: every group that compiled a Triton kernel was stopped). The same module
+    written into the project is code that changed while it was loaded: a fresh group."""
+    write(tmp_path / "jit.py", JIT)
+    write(
+        tmp_path / "test_jit.py",
+        """
+        import pytest
+        from jit import load
+
+        @pytest.mark.cpq(world_size=1, env={"MYPROJ_RUN": "jit"})
+        @pytest.mark.parametrize("i", range(3))
+        def test_kernel(i):
+            assert load() == 42
+        """,
+    )
+    groups = {}
+    for where in ("cache", "project"):
+        jit_dir = tmp_path / where / "kernels"
+        env = session_env(
+            warm_broker,
+            MYPROJ_JIT_DIR=str(jit_dir),
+            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+        )
+        outcomes = same_verdicts(tmp_path, env)
+        assert set(outcomes.values()) == {"passed"}, outcomes
+        (jit_dir / "generated_kernel_3f2a9c.py").unlink()  # compiled afresh in the cpq run
+        output = run_pytest(tmp_path, env)[1]
+        match = re.search(r"cpq: 3 task\(s\) on (\d+) group\(s\)", output)
+        assert match is not None, output
+        groups[where] = int(match.group(1))
+    assert groups["cache"] == 1 and groups["project"] > 1, groups
+
+
 @pytest.fixture
 def venv(tmp_path: Path) -> Path:
     """A virtual environment on top of this one, for installing packages into."""

@@ -226,3 +226,60 @@ def test_autostart_race_ends_with_one_broker(
             capture_output=True,
             timeout=30,
         )
+
+
+COLLECT_FIRST = """
+import pytest
+
+
+@pytest.mark.cpq(world_size=1, env={{"CPQ_COLLECT_PROBE": "{probe}"}})
+def test_first():
+    pass
+"""
+
+COLLECT_LATER = """
+import json
+import os
+
+from cpq import Client
+
+# Imported while pytest collects, after test_a.py's test was collected: is its group
+# already starting?
+with Client(os.environ["CPQ_ENDPOINT"]) as client:
+    pools = client.status()["pools"]
+groups = [p["state"] for p in pools if p["env"].get("CPQ_COLLECT_PROBE") == "{probe}"]
+with open("{out}", "w") as handle:
+    json.dump(groups, handle)
+
+
+def test_later():
+    pass
+"""
+
+
+def test_a_group_starts_while_the_rest_of_the_suite_is_collected(
+    pytester: pytest.Pytester, suite_env: str, tmp_path: Path
+) -> None:
+    """The first test of a session should not wait a whole spawn: its spec's group is asked
+    for the moment its first test is collected. ``--collect-only`` starts nothing."""
+    import json
+
+    def groups(probe: str) -> list[str]:
+        with Client(suite_env) as client:
+            pools = client.status()["pools"]
+        return [p["state"] for p in pools if p["env"].get("CPQ_COLLECT_PROBE") == probe]
+
+    for probe, flags in (("collect-only", ["--collect-only"]), ("run", [])):
+        out = tmp_path / f"{probe}.json"
+        pytester.makepyfile(
+            test_a=COLLECT_FIRST.format(probe=probe),
+            test_b=COLLECT_LATER.format(probe=probe, out=out),
+        )
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *flags)
+        assert result.ret == 0, result.stdout.str()
+        during = json.loads(out.read_text())
+        if probe == "run":
+            assert during and set(during) <= {"starting", "idle"}, during
+            result.assert_outcomes(passed=2)
+        else:
+            assert during == [] and groups(probe) == []

@@ -40,6 +40,8 @@ from cpq import Client, TaskResult  # noqa: E402
 from cpq.autostart import broker_alive  # noqa: E402
 
 NOOP = "workers.collectives:noop"
+#: cpq and the stdio pool take turns, this many tasks each, so both see the same load.
+BLOCK = 100
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -59,20 +61,26 @@ def throughput(client: Client, tasks: int, in_flight: int) -> float:
     return tasks / (time.perf_counter() - start)
 
 
-def stdio_round_trips(tasks: int, block: int = 100) -> list[float]:
-    """Round trips (s) of the no-op through the stdio pool, ``block`` at a time."""
+def stdio_pool() -> Any:
+    """A started ``tools/stdio_pool.py`` pool (ws=2 gloo), warmed with 50 no-ops."""
     sys.path.insert(0, str(ROOT / "tools"))
     from stdio_pool import StdioPool
 
-    with StdioPool(2, cwd=str(ROOT), env={"STDIO_POOL_BACKEND": "gloo"}) as pool:
-        for _ in range(50):
-            pool.run(NOOP)
-        out = []
-        for _ in range(tasks):
-            t0 = time.perf_counter()
-            result = pool.run(NOOP)
-            out.append(time.perf_counter() - t0)
-            assert result["outcome"] == "passed", result
+    pool = StdioPool(2, cwd=str(ROOT), env={"STDIO_POOL_BACKEND": "gloo"})
+    pool.__enter__()
+    for _ in range(50):
+        pool.run(NOOP)
+    return pool
+
+
+def stdio_round_trips(pool: Any, tasks: int) -> list[float]:
+    """Round trips (s) of ``tasks`` no-ops through the stdio pool."""
+    out = []
+    for _ in range(tasks):
+        t0 = time.perf_counter()
+        result = pool.run(NOOP)
+        out.append(time.perf_counter() - t0)
+        assert result["outcome"] == "passed", result
     return out
 
 
@@ -120,7 +128,8 @@ def main() -> int:
         "--broker-arg", action="append", default=[], help="passed to cpq-broker (repeatable)"
     )
     args = parser.parse_args()
-    stdio = [] if args.no_stdio else stdio_round_trips(args.tasks)
+    pool = None if args.no_stdio else stdio_pool()
+    stdio: list[float] = []
 
     state = Path(tempfile.mkdtemp(prefix="cpq-bench-"))
     endpoint = f"ipc://{state / 'broker.sock'}"
@@ -149,7 +158,9 @@ def main() -> int:
                 client.submit(NOOP, 2, roots=[str(ROOT)])
             round_trips = []
             parts: dict[str, list[float]] = {"client": [], "broker": [], "hops": [], "rank": []}
-            for _ in range(args.tasks):
+            for i in range(args.tasks):
+                if pool is not None and i % BLOCK == 0:  # the pool's block, then cpq's
+                    stdio += stdio_round_trips(pool, min(BLOCK, args.tasks - i))
                 t0 = time.perf_counter()
                 result = client.submit(NOOP, 2, roots=[str(ROOT)])
                 round_trips.append(time.perf_counter() - t0)
@@ -168,6 +179,8 @@ def main() -> int:
     finally:
         broker.terminate()
         broker.wait(timeout=30)
+        if pool is not None:
+            pool.__exit__(None, None, None)
 
     check_us, watched = freshness_check_us()
     results: dict[str, Any] = {

@@ -18,8 +18,15 @@ fresh group). What is checked, and why that is enough:
   every version change), which moves that directory's modification time; one ``stat`` per
   site directory covers every installed package. Editing a file inside site-packages by
   hand is not seen (pip never does that; recycle with ``cpq stop``).
-* **Not checked**: the standard library, and files read as data (``open()``), which the
-  task reads afresh anyway.
+* **Not checked**: the standard library; files read as data (``open()``), which the task
+  reads afresh anyway; and generated code in the caches of just-in-time compilers (Triton's
+  ``TRITON_CACHE_DIR`` or ``~/.triton``, TorchInductor's ``TORCHINDUCTOR_CACHE_DIR`` or
+  ``<tmp>/torchinductor_<user>``, ``TORCH_EXTENSIONS_DIR``, and the user cache
+  ``XDG_CACHE_HOME`` or ``~/.cache``), plus any directory in ``CPQ_UNWATCHED``
+  (``os.pathsep``-separated). A compiler writes such a module during the task that first
+  imports it, and rewrites it when another process compiles the same kernel; its name is a
+  hash of its source, so what the rank loaded is what a fresh run would load. Watching them
+  stopped every group that compiled a kernel (seen with Transformer Engine on GPUs).
 
 The test file of a marker test is the exception: it is re-executed from its path whenever
 it changes (:mod:`cpq.rank.pytest_task`), as pytest itself would load it, so its own edits
@@ -33,10 +40,12 @@ scan of ``sys.modules`` only when its size changed.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import site
 import sys
 import sysconfig
+import tempfile
 import time
 
 #: Files modified this close to (or after) the start of the task that imported them may
@@ -61,6 +70,25 @@ def _library_dirs() -> tuple[list[str], list[str]]:
     libs = [os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")]
     prefixes = [p.rstrip(os.sep) + os.sep for p in dict.fromkeys(libs + sites)]
     return prefixes, sites
+
+
+def cache_dirs() -> list[str]:
+    """Directories of generated code (see the module docstring), as path prefixes."""
+    env = os.environ
+    home = os.path.expanduser("~")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (containers)
+        user = str(os.getuid())
+    dirs = [
+        env.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton"),
+        env.get("TORCHINDUCTOR_CACHE_DIR")
+        or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
+        env.get("TORCH_EXTENSIONS_DIR", ""),
+        env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"),
+        *env.get("CPQ_UNWATCHED", "").split(os.pathsep),
+    ]
+    return [os.path.realpath(d).rstrip(os.sep) + os.sep for d in dirs if d]
 
 
 def _stamp(path: str) -> tuple[int, int] | None:
@@ -90,6 +118,7 @@ class CodeWatch:
         if len(sys.modules) == self._modules_len:
             return
         self._modules_len = len(sys.modules)
+        unwatched: tuple[str, ...] | None = None
         for name, module in list(sys.modules.items()):
             if name in self._seen or name in reexecuted:
                 continue
@@ -99,6 +128,10 @@ class CodeWatch:
                 continue
             real = os.path.realpath(path)
             if real.startswith(tuple(self._library)):
+                continue
+            if unwatched is None:  # read now: a task's own variables may name the caches
+                unwatched = tuple(cache_dirs())
+            if real.startswith(unwatched):
                 continue
             stamp = _stamp(real)
             if stamp is None:  # a module without a file on disk (zip import, frozen)

@@ -3,9 +3,11 @@ environment, closing notices, compatibility with older peers (docs/design.md, "F
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -365,6 +367,36 @@ def test_the_code_watch_sees_edits_new_packages_and_files_changed_while_loading(
     fresh = freshness.CodeWatch()
     fresh.scan(old)  # the scan's window began before the file's last change
     assert fresh.files[str(module)] == (-1, -1) and fresh.changed() == str(module)
+
+
+@pytest.mark.parametrize(
+    "where", ["TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "CPQ_UNWATCHED"]
+)
+def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A JIT compiler writes a module during the task that imports it (and another process
+    rewrites it): in its cache that is not a code change; in the project it still is."""
+    monkeypatch.setattr(freshness, "_library_dirs", lambda: ([], []))
+    cache, project = tmp_path / "cache", tmp_path / "project"
+    cache.mkdir()
+    project.mkdir()
+    monkeypatch.setenv(where, str(cache))
+    started = time.time_ns()
+    names = {cache: "cpq_generated_3f2a9c", project: "cpq_written_now"}
+    try:
+        for directory, name in names.items():
+            (directory / f"{name}.py").write_text("VALUE = 42\n")  # written during the task
+            monkeypatch.syspath_prepend(str(directory))
+            importlib.import_module(name)
+        watch = freshness.CodeWatch()
+        watch.scan(started)
+    finally:
+        for name in names.values():
+            sys.modules.pop(name, None)
+    (cache / "cpq_generated_3f2a9c.py").write_text("VALUE = 42\n")  # another group compiled it
+    assert str(cache / "cpq_generated_3f2a9c.py") not in watch.files
+    assert watch.changed() == str(project / "cpq_written_now.py")
 
 
 def test_a_reexecuted_test_module_is_not_watched(monkeypatch: pytest.MonkeyPatch) -> None:
