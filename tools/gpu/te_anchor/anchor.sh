@@ -6,11 +6,13 @@
 # te_anchor.json (copy it to tools/results/), te_anchor_logs.tar.gz (pytest, JUnit, broker,
 # group and rank logs). Every process keeps NVLink multicast off.
 #
-# Usage (repo root, on the GPU host):  bash tools/gpu/te_anchor/anchor.sh [BUDGET_S]  (def. 560)
+# Usage (repo root, on the GPU host):
+#   bash tools/gpu/te_anchor/anchor.sh [BUDGET_S] [run_anchor.py args...]   BUDGET_S: def. 560
 set -uo pipefail
 cd "$(dirname "$0")/../../.." || exit 2
 start=$(date +%s)
-budget=${1:-560}
+budget=560
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then budget=$1; shift; fi
 out=${OUT:-/tmp/te-anchor-out}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -36,11 +38,11 @@ main() {
   local left=$((budget - ($(date +%s) - start) - 15))
   echo "[anchor.sh] run_anchor.py gets ${left}s"
   python3 tools/gpu/te_anchor/run_anchor.py --budget-s "$left" --json "$out/te_anchor.json" \
-    --logs-tar "$out/te_anchor_logs.tar.gz"
+    --logs-tar "$out/te_anchor_logs.tar.gz" "$@"
   local rc=$?
   echo "[anchor.sh] done in $(($(date +%s) - start)) s, run_anchor.py rc $rc"
   return $rc
 }
 
-main 2>&1 | tee -a "$out/anchor.log"
+main "$@" 2>&1 | tee -a "$out/anchor.log"
 exit "${PIPESTATUS[0]}"

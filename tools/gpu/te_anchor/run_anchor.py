@@ -96,6 +96,21 @@ TE_CASES = [
     fused_id("cp_1_0", "sbhd", "p2p", "fp8", "False-delayed-True-False-False"),
 ]
 
+#: The affinity run's cases (second GPU call): the sbhd cases that ran on the pair in the
+#: first call, without cp_3_1 (19 s of CPU-side input generation per case, warm or not),
+#: plus the other sbhd ones the first call did not try, and one FP8 case that has no
+#: max-logit (cp_1_0's FP8 case found no backend with cuDNN 9.14).
+AFF_CASES = [
+    fused_id("cp_2_0", "sbhd", "p2p"),
+    fused_id("cp_2_0", "sbhd", "a2a"),
+    fused_id("cp_2_0", "sbhd", "all_gather"),
+    fused_id("cp_2_1", "sbhd", "all_gather"),
+    fused_id("cp_2_1", "sbhd", "a2a"),
+    fused_id("cp_4_2", "sbhd", "a2a"),
+    fused_id("cp_4_3", "sbhd", "a2a"),
+    fused_id("cp_2_0", "sbhd", "p2p", "fp8", "False-delayed-True-False-False"),
+]
+
 #: The stand-in's ids: test_cp_with_fused_attention[comm-format-model-dtype].
 SELFTEST_CASES = [
     f"{FUSED}[{comm}-{fmt}-{model}-bf16]"
@@ -116,8 +131,8 @@ class Profile:
     prewarm: str = "import torch, transformer_engine.pytorch; torch.cuda.init()"
 
 
-def te_profile(te_path: Path) -> Profile:
-    return Profile("te", te_path, TE_CASES, "auto")
+def te_profile(te_path: Path, cases: str) -> Profile:
+    return Profile("te", te_path, AFF_CASES if cases == "affinity" else TE_CASES, "auto")
 
 
 def selftest_profile() -> Profile:
@@ -334,13 +349,16 @@ def pool_summary(broker: PrivateBroker) -> list[dict[str, Any]]:
 NEED = {"pool": 80, "cpq-cold": 90, "cpq-second": 40, "n2": 80, "aff": 150}
 
 
-def run_all(profile: Profile, work: Path, budget: Budget, out_json: Path) -> dict[str, Any]:
+def run_all(
+    profile: Profile, work: Path, budget: Budget, out_json: Path, phases: list[str]
+) -> dict[str, Any]:
     results: dict[str, Any] = {
         "profile": profile.name,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "te_path": str(profile.te_path),
         "cases": profile.cases,
+        "phases": phases,
         "sessions": {},
         "skipped_phases": [],
     }
@@ -373,76 +391,97 @@ def run_all(profile: Profile, work: Path, budget: Budget, out_json: Path) -> dic
     log(f"prewarm: rc {run.rc}, {results['prewarm']['wall_s']} s")
     save()
 
-    # 2. TE's own pool, twice
-    for name in ("pool-cold", "pool-second"):
-        if fits(name, NEED["pool"] * scale):
-            sessions[name] = runner.session(name, "pool", limit=240)
-            save()
-
-    # 3. cpq: a fresh broker, cold then second session
-    main_broker = None
-    if fits("cpq-cold", NEED["cpq-cold"] * scale):
-        main_broker = runner.broker("main", [])
-        results["main_broker"] = {"start_s": round(main_broker.start_s, 3), "options": "default"}
-        try:
-            sessions["cpq-cold"] = runner.session("cpq-cold", "cpq", broker=main_broker, limit=240)
-            save()
-            if fits("cpq-second", NEED["cpq-second"] * scale):
-                sessions["cpq-second"] = runner.session(
-                    "cpq-second", "cpq", broker=main_broker, limit=200
-                )
-                save()
-            # 4. -n 2: TE's pool (one pool per worker) and cpq (the warm group, shared)
-            if fits("pool-n2", NEED["n2"] * scale):
-                sessions["pool-n2"] = runner.session("pool-n2", "pool", workers=2, limit=200)
-                save()
-            if fits("cpq-n2", NEED["n2"] * 0.5 * scale):
-                sessions["cpq-n2"] = runner.session(
-                    "cpq-n2", "cpq", broker=main_broker, workers=2, limit=150
-                )
-                save()
-            results["main_broker"]["pools"] = pool_summary(main_broker)
-        finally:
-            main_broker.stop()
-        save()
-
-    # 5. affinity: two groups of one spec on the same two GPUs
-    if fits("affinity", NEED["aff"] * scale):
-        aff = runner.broker("affinity", ["--oversubscribe", "--spares", "0"])
-        results["affinity_broker"] = {
-            "start_s": round(aff.start_s, 3),
-            "options": "--oversubscribe --spares 0",
-        }
-        try:
-            sessions["aff-spread"] = runner.session(
-                "aff-spread",
-                "cpq",
-                broker=aff,
-                workers=2,
-                extra_env={"TE_ANCHOR_WARM": "2", "TE_ANCHOR_AFFINITY": "case"},
-                limit=220,
-            )
-            save()
-            for name, mode in (("aff-on", "case"), ("aff-off", "none")):
-                if fits(name, 45 * scale):
-                    sessions[name] = runner.session(
-                        name,
-                        "cpq",
-                        broker=aff,
-                        extra_env={"TE_ANCHOR_WARM": "0", "TE_ANCHOR_AFFINITY": mode},
-                        limit=150,
-                    )
+    for phase in phases:
+        if phase == "pool":  # TE's own pool, two sessions (each spawns its pool)
+            for name in ("pool-cold", "pool-second"):
+                if fits(name, NEED["pool"] * scale):
+                    sessions[name] = runner.session(name, "pool", limit=240)
                     save()
-            results["affinity_broker"]["pools"] = pool_summary(aff)
-        finally:
-            aff.stop()
-        save()
+        elif phase == "pool1":  # one session of TE's pool (verdicts for another case set)
+            if fits("pool-cold", NEED["pool"] * scale):
+                sessions["pool-cold"] = runner.session("pool-cold", "pool", limit=240)
+                save()
+        elif phase == "cpq":
+            phase_cpq(runner, results, fits, save, scale)
+        elif phase == "affinity":
+            phase_affinity(runner, results, fits, save, scale)
+        else:
+            raise ValueError(f"unknown phase {phase!r}")
 
     results["verdicts"] = compare_verdicts(results)
     results["affinity"] = affinity_summary(results)
     results["budget_left_s"] = round(budget.left(), 1)
     save()
     return results
+
+
+def phase_cpq(runner: Runner, results: dict[str, Any], fits: Any, save: Any, scale: float) -> None:
+    """A fresh broker (default options): cold then second session; then ``-n 2`` for TE's
+    pool (one pool per xdist worker) and for cpq (the warm group, shared)."""
+    sessions = results["sessions"]
+    if not fits("cpq-cold", NEED["cpq-cold"] * scale):
+        return
+    main_broker = runner.broker("main", [])
+    results["main_broker"] = {"start_s": round(main_broker.start_s, 3), "options": "default"}
+    try:
+        sessions["cpq-cold"] = runner.session("cpq-cold", "cpq", broker=main_broker, limit=240)
+        save()
+        if fits("cpq-second", NEED["cpq-second"] * scale):
+            sessions["cpq-second"] = runner.session(
+                "cpq-second", "cpq", broker=main_broker, limit=200
+            )
+            save()
+        if fits("pool-n2", NEED["n2"] * scale):
+            sessions["pool-n2"] = runner.session("pool-n2", "pool", workers=2, limit=200)
+            save()
+        if fits("cpq-n2", NEED["n2"] * 0.5 * scale):
+            sessions["cpq-n2"] = runner.session(
+                "cpq-n2", "cpq", broker=main_broker, workers=2, limit=150
+            )
+            save()
+        results["main_broker"]["pools"] = pool_summary(main_broker)
+    finally:
+        main_broker.stop()
+    save()
+
+
+def phase_affinity(
+    runner: Runner, results: dict[str, Any], fits: Any, save: Any, scale: float
+) -> None:
+    """Two groups of one spec on the same two GPUs: spread the cases over both (-n 2),
+    then one worker with per-case affinity keys, then one without."""
+    sessions = results["sessions"]
+    if not fits("affinity", NEED["aff"] * scale):
+        return
+    aff = runner.broker("affinity", ["--oversubscribe", "--spares", "0"])
+    results["affinity_broker"] = {
+        "start_s": round(aff.start_s, 3),
+        "options": "--oversubscribe --spares 0",
+    }
+    try:
+        sessions["aff-spread"] = runner.session(
+            "aff-spread",
+            "cpq",
+            broker=aff,
+            workers=2,
+            extra_env={"TE_ANCHOR_WARM": "2", "TE_ANCHOR_AFFINITY": "case"},
+            limit=220,
+        )
+        save()
+        for name, mode in (("aff-on", "case"), ("aff-off", "none")):
+            if fits(name, 45 * scale):
+                sessions[name] = runner.session(
+                    name,
+                    "cpq",
+                    broker=aff,
+                    extra_env={"TE_ANCHOR_WARM": "0", "TE_ANCHOR_AFFINITY": mode},
+                    limit=150,
+                )
+                save()
+        results["affinity_broker"]["pools"] = pool_summary(aff)
+    finally:
+        aff.stop()
+    save()
 
 
 # --------------------------------------------------------------------------------------
@@ -487,18 +526,26 @@ def affinity_summary(results: dict[str, Any]) -> dict[str, Any]:
             if t.get("outcome") != "passed" or not first_group.get(case):
                 continue
             group = t.get("cpq", {}).get("group")
-            (stayed if group == first_group[case] else moved).append(t["time_s"])
+            case_s = t.get("cpq", {}).get("case_s")
+            row = (t["time_s"], case_s if case_s is not None else t["time_s"])
+            (stayed if group == first_group[case] else moved).append(row)
         out[name] = {
             "wall_s": sessions[name].get("wall_s"),
             "cases_on_their_group": len(stayed),
             "cases_moved": len(moved),
-            "stayed_sum_s": round(sum(stayed), 3),
-            "moved_sum_s": round(sum(moved), 3),
-            "stayed_median_s": round(statistics.median(stayed), 3) if stayed else None,
-            "moved_median_s": round(statistics.median(moved), 3) if moved else None,
+            "stayed_sum_s": round(sum(r[0] for r in stayed), 3),
+            "moved_sum_s": round(sum(r[0] for r in moved), 3),
+            "stayed_median_s": _median([r[0] for r in stayed]),
+            "moved_median_s": _median([r[0] for r in moved]),
+            "stayed_rank_case_s": [r[1] for r in stayed],
+            "moved_rank_case_s": [r[1] for r in moved],
             "sum_case_s": sessions[name].get("sum_case_s"),
         }
     return out
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
 
 
 def _yes(value: bool | None) -> str:
@@ -564,6 +611,22 @@ def render(results: dict[str, Any]) -> str:
                 f"| {a.get('cases_moved')} | {_f(a.get('stayed_median_s'))} "
                 f"| {_f(a.get('moved_median_s'))} | {_f(a.get('moved_sum_s'))} |"
             )
+    aff_names = [n for n in ("aff-spread", "aff-on", "aff-off") if n in sessions]
+    if aff_names:
+        lines += ["", "Affinity, per case: group / JUnit s / rank-side case s:", ""]
+        lines.append("| case | " + " | ".join(aff_names) + " |")
+        lines.append("| --- |" + " --- |" * len(aff_names))
+        for case in results.get("cases", []):
+            cells = []
+            for n in aff_names:
+                t = sessions[n].get("tests", {}).get(case)
+                if t is None:
+                    cells.append("-")
+                    continue
+                c = t.get("cpq") or {}
+                text = f"{c.get('group', '-')} / {_f(t['time_s'])} / {_f(c.get('case_s'))}"
+                cells.append(text if t["outcome"] == "passed" else f"{t['outcome']} {text}")
+            lines.append(f"| {short(case)} | " + " | ".join(cells) + " |")
     for diff_name, v in verdicts.items():
         if v.get("differences") or v.get("missing"):
             diff, missing = v.get("differences"), v.get("missing")
@@ -595,6 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs-tar", type=Path, help="logs tarball (default $OUT/...)")
     parser.add_argument("--work", type=Path, help="work dir (default: a temp dir)")
     parser.add_argument("--report", type=Path, help="print the tables of an earlier result")
+    parser.add_argument(
+        "--phases",
+        default="pool,cpq,affinity",
+        help="comma-separated, in order: pool (2 sessions), pool1 (1 session), cpq (cold, "
+        "second, pool -n 2, cpq -n 2), affinity (default pool,cpq,affinity)",
+    )
+    parser.add_argument(
+        "--cases", choices=("subset", "affinity"), default="subset", help="TE case set"
+    )
     args = parser.parse_args(argv)
     if args.report:
         print(render(json.loads(args.report.read_text())))
@@ -602,7 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="te-anchor-out-"))
     out_json = args.json or out_dir / "te_anchor.json"
     logs_tar = args.logs_tar or out_dir / "te_anchor_logs.tar.gz"
-    profile = selftest_profile() if args.selftest else te_profile(args.te_path.resolve())
+    if args.selftest:
+        profile = selftest_profile()
+    else:
+        profile = te_profile(args.te_path.resolve(), args.cases)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if not (profile.te_path / TEST_FILE).exists():
         print(f"{profile.te_path / TEST_FILE} missing: run tools/gpu/te_anchor/fetch_te_tests.sh")
         return 2
@@ -611,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log(f"profile {profile.name}, work {work}, results {out_json}, budget {budget.total:.0f} s")
     try:
-        results = run_all(profile, work, budget, out_json)
+        results = run_all(profile, work, budget, out_json, phases)
     finally:
         with contextlib.suppress(OSError):
             pack_logs(work, logs_tar)
