@@ -9,8 +9,8 @@ Runs a subset of TE's ``tests/pytorch/attention/test_attention_with_cp.py`` (fet
   each case goes to a private cpq broker as ``run_dpa_with_cp(**kwargs)`` with
   ``NVTE_CP_POOL_PG=1``.
 
-Phases, in this order, each skipped when the budget cannot fit it (partial results are
-written after every phase):
+Phases (``--phases``, default ``pool,cpq,affinity``), each skipped when the budget cannot fit
+it (partial results are written after every session):
 
 1. ``prewarm`` — ``import transformer_engine.pytorch`` once (page cache), not measured;
 2. ``pool-cold``, ``pool-second`` — two sessions of TE's pool (each spawns its own pool);
@@ -32,6 +32,7 @@ task duration and the group that ran each case.
 Usage::
 
     python tools/gpu/te_anchor/run_anchor.py --budget-s 540    # the GPU host (anchor.sh)
+    python tools/gpu/te_anchor/run_anchor.py --phases affinity,pool1 --cases affinity
     python tools/gpu/te_anchor/run_anchor.py --selftest        # CPU: fake_te/, gloo
     python tools/gpu/te_anchor/run_anchor.py --report FILE     # print a result's tables
 """
