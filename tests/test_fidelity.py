@@ -219,14 +219,11 @@ def test_generated_code_in_a_compiler_cache_keeps_the_group_warm(
     groups = {}
     for where in ("cache", "project"):
         jit_dir = tmp_path / where / "kernels"
-        env = session_env(
-            warm_broker,
-            MYPROJ_JIT_DIR=str(jit_dir),
-            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
-        )
+        env = session_env(warm_broker, MYPROJ_JIT_DIR=str(jit_dir), MYPROJ_JIT_NAME=where)
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
         outcomes = same_verdicts(tmp_path, env)
         assert set(outcomes.values()) == {"passed"}, outcomes
-        (jit_dir / "generated_kernel_3f2a9c.py").unlink()  # compiled afresh in the cpq run
+        (jit_dir / f"generated_kernel_{where}.py").unlink()  # compiled afresh in the cpq run
         output = run_pytest(tmp_path, env)[1]
         match = re.search(r"cpq: 3 task\(s\) on (\d+) group\(s\)", output)
         assert match is not None, output

@@ -14,11 +14,14 @@ same time trip it too (the second writer moves the file under the first).
 This script does what Triton/Inductor do, in a few lines: the task writes a generated
 module into a cache directory if it is not there yet, and imports it (registered in
 ``sys.modules``, as Inductor's code cache does). Expected: all three tasks on one group.
-Seen: the second task runs on a fresh group and the broker logs "code changed".
+Seen before the fix (``cache_dirs`` in ``cpq/rank/freshness.py``): the second task ran on
+a fresh group and the broker logged "code changed". ``--elsewhere`` writes the module into
+a plain directory instead: code that changed while a task loaded it, still sent to a
+fresh group (the exit status is then 1).
 
 Usage (repo root; CPU, ws=1 gloo groups, ~20 s)::
 
-    python tools/gpu/te_anchor/repro_jit_freshness.py
+    python tools/gpu/te_anchor/repro_jit_freshness.py [--elsewhere]
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ def main() -> int:
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, str(HERE)]))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    # Where TorchInductor would put it: the rank leaves compiler caches unwatched (fixed in
+    # cpq/rank/freshness.py). With --elsewhere the module goes to a plain directory: code
+    # written while a task loaded it, which still sends the next task to a fresh group.
+    if "--elsewhere" not in sys.argv:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     (work / "state").mkdir()
     broker = PrivateBroker(work / "state", work / "logs", "none", env, ("--spares", "0"))
     groups = []
