@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import logging
 import os
 import site
 import sys
 import sysconfig
 import tempfile
 import time
+
+log = logging.getLogger("cpq.rank")
 
 #: Files modified this close to (or after) the start of the task that imported them may
 #: have changed during the import; file times come from a coarse kernel clock.
@@ -91,6 +94,18 @@ def cache_dirs() -> list[str]:
     return [os.path.realpath(d).rstrip(os.sep) + os.sep for d in dirs if d]
 
 
+#: Directory names of the same caches, wherever they are: a rank's home directory may not
+#: be the one the compiler used (seen on a GPU host whose groups' ``HOME`` differed from the
+#: tasks'; a container whose user has no ``passwd`` entry), and ``~/.triton`` is Triton's
+#: only spelling.
+CACHE_DIR_NAMES = frozenset({".triton", ".cache", "torch_extensions"})
+
+
+def _in_cache_dir(path: str) -> bool:
+    parts = path.split(os.sep)[:-1]
+    return any(p in CACHE_DIR_NAMES or p.startswith("torchinductor_") for p in parts)
+
+
 def _stamp(path: str) -> tuple[int, int] | None:
     try:
         info = os.stat(path)
@@ -111,6 +126,7 @@ class CodeWatch:
                 self.files[directory] = stamp
         self._seen: set[str] = set()
         self._modules_len = -1
+        self._said = False
 
     def scan(self, since_ns: int) -> None:
         """Take note of modules imported since the last scan, which began at ``since_ns``
@@ -131,7 +147,10 @@ class CodeWatch:
                 continue
             if unwatched is None:  # read now: a task's own variables may name the caches
                 unwatched = tuple(cache_dirs())
-            if real.startswith(unwatched):
+                if not self._said:
+                    self._said = True
+                    log.info("not watching generated code under %s", ", ".join(unwatched))
+            if real.startswith(unwatched) or _in_cache_dir(real):
                 continue
             stamp = _stamp(real)
             if stamp is None:  # a module without a file on disk (zip import, frozen)

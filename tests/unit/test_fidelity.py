@@ -370,7 +370,15 @@ def test_the_code_watch_sees_edits_new_packages_and_files_changed_while_loading(
 
 
 @pytest.mark.parametrize(
-    "where", ["TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "CPQ_UNWATCHED"]
+    "where",
+    [
+        "TRITON_CACHE_DIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "XDG_CACHE_HOME",
+        "CPQ_UNWATCHED",
+        ".triton",  # a directory of that name, wherever the rank's home is
+        "torchinductor_alice",
+    ],
 )
 def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
@@ -379,9 +387,12 @@ def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
     rewrites it): in its cache that is not a code change; in the project it still is."""
     monkeypatch.setattr(freshness, "_library_dirs", lambda: ([], []))
     cache, project = tmp_path / "cache", tmp_path / "project"
-    cache.mkdir()
+    if where.isupper():
+        monkeypatch.setenv(where, str(cache))
+    else:
+        cache = tmp_path / "elsewhere" / where / "cache" / "3f2a9c"
+    cache.mkdir(parents=True)
     project.mkdir()
-    monkeypatch.setenv(where, str(cache))
     started = time.time_ns()
     names = {cache: "cpq_generated_3f2a9c", project: "cpq_written_now"}
     try:
