@@ -83,21 +83,25 @@ def cache_dirs() -> list[str]:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (containers)
         user = str(os.getuid())
+    # The defaults as well as the variables: TorchInductor sets TRITON_CACHE_DIR to its own
+    # directory once imported, after Triton's driver has built its modules in ~/.triton
+    # (seen on the H200 pair: tools/gpu/jit_check.py).
     dirs = [
-        env.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton"),
-        env.get("TORCHINDUCTOR_CACHE_DIR")
-        or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
+        env.get("TRITON_CACHE_DIR", ""),
+        os.path.join(home, ".triton"),
+        env.get("TORCHINDUCTOR_CACHE_DIR", ""),
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
         env.get("TORCH_EXTENSIONS_DIR", ""),
-        env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"),
+        env.get("XDG_CACHE_HOME", ""),
+        os.path.join(home, ".cache"),
         *env.get("CPQ_UNWATCHED", "").split(os.pathsep),
     ]
     return [os.path.realpath(d).rstrip(os.sep) + os.sep for d in dirs if d]
 
 
-#: Directory names of the same caches, wherever they are: a rank's home directory may not
-#: be the one the compiler used (seen on a GPU host whose groups' ``HOME`` differed from the
-#: tasks'; a container whose user has no ``passwd`` entry), and ``~/.triton`` is Triton's
-#: only spelling.
+#: Directory names of the same caches, wherever they are: a cache may have been chosen by a
+#: variable the rank does not see now (set in the pytest process, or by a task and reset
+#: since), and a container's user may have no home.
 CACHE_DIR_NAMES = frozenset({".triton", ".cache", "torch_extensions"})
 
 

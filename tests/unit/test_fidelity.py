@@ -410,6 +410,18 @@ def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
     assert watch.changed() == str(project / "cpq_written_now.py")
 
 
+def test_tritons_home_cache_stays_unwatched_after_inductor_moves_triton_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on the H200 pair: once imported, TorchInductor sets TRITON_CACHE_DIR to its own
+    directory, after Triton's driver built ``cuda_utils`` in ``~/.triton``."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor" / "triton" / "0"))
+    dirs = freshness.cache_dirs()
+    assert str(tmp_path / "home" / ".triton") + os.sep in dirs
+    assert str(tmp_path / "inductor" / "triton" / "0") + os.sep in dirs
+
+
 def test_a_reexecuted_test_module_is_not_watched(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(freshness, "_library_dirs", lambda: ([], []))
     monkeypatch.setattr(freshness, "reexecuted", {__name__})
