@@ -14,8 +14,10 @@ it; ws=2 gloo), each on a private broker, the wait read from the broker's timing
   default: the group that loaded the old helper refuses the task; the clean spare takes
   it), and the same with ``--spares 0``.
 
-The project's conftest sleeps ``--collect-s`` seconds (default 1) during collection, as a
-suite importing torch and its helpers does; a spawn here takes ~5 s.
+Collecting the project takes ``--collect-s`` seconds (default 2: two test modules whose
+imports take half each, as a suite importing torch and its helpers does); a spawn here
+takes ~5 s. Without a cache the plugin asks for the group when the first cpq test is
+collected (after the first module's import), with one before collection starts.
 
 Usage: ``python tools/bench_session_start.py [--reps 3] [--json tools/results/...]``
 """
@@ -44,9 +46,13 @@ from benchkit import PrivateBroker, child_env, run_logged  # noqa: E402
 from cpq.timings import TIMINGS_FILE  # noqa: E402
 
 TESTS = """
+import time
+
 import pytest
 
 from helper import value
+
+time.sleep({collect_s})  # what importing a real suite's modules costs
 
 
 @pytest.mark.cpq(world_size=2)
@@ -54,10 +60,14 @@ from helper import value
 def test_value(i):
     assert value() >= 0
 """
-CONFTEST = """
+OTHER_TESTS = """
 import time
 
-time.sleep({collect_s})  # what importing a real suite's modules costs
+time.sleep({collect_s})  # a second module, collected after the first
+
+
+def test_local():
+    pass
 """
 
 
@@ -87,8 +97,10 @@ def edit(project: Path, value: int) -> None:
 def one_rep(work: Path, rep: int, env: dict[str, str], collect_s: float) -> dict[str, float]:
     project = work / f"proj{rep}"
     project.mkdir()
-    (project / "test_proj.py").write_text(textwrap.dedent(TESTS))
-    (project / "conftest.py").write_text(CONFTEST.format(collect_s=collect_s))
+    # Two modules, each taking half the collection time to import: the first holds the
+    # cpq tests (pytest runs them first), the second is collected after it.
+    (project / "test_a.py").write_text(textwrap.dedent(TESTS.format(collect_s=collect_s / 2)))
+    (project / "test_b.py").write_text(OTHER_TESTS.format(collect_s=collect_s / 2))
     edit(project, 1)
     waits: dict[str, float] = {}
     log = work / f"rep{rep}.log"
@@ -132,7 +144,7 @@ def one_rep(work: Path, rep: int, env: dict[str, str], collect_s: float) -> dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--collect-s", type=float, default=1.0)
+    parser.add_argument("--collect-s", type=float, default=2.0)
     parser.add_argument(
         "--json", type=Path, default=ROOT / "tools" / "results" / "bench_session_start.json"
     )
