@@ -71,7 +71,7 @@ class ModelConfig:
 
 
 # Shapes follow TE's CP test table (b=2, s=4096, d=128); cp_1_1 is a small fast one and
-# cp_1_2 the shape the H200 notes in shared/gpu/README.md were measured with.
+# cp_1_2 the shape of the first H200 measurements (tools/gpu/README.md).
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     "cp_1_0": ModelConfig(2, 4096, 12, 128),  # MHA (TE cp_1_0)
     "cp_1_1": ModelConfig(2, 2048, 16, 64),  # small MHA
