@@ -204,11 +204,11 @@ class Client:
                 heartbeat_s,
                 liveness,
             )
-        except zmq.ZMQError as exc:  # a malformed endpoint, a refused key file
+        except Exception as exc:  # a malformed endpoint, a missing or unsafe key file
             self._context.term()
             raise BrokerUnavailable(
                 f"cannot connect to a cpq broker at {self.endpoint}: {exc}"
-            ) from None
+            ) from exc
         except BaseException:
             self._context.term()
             raise
@@ -282,16 +282,14 @@ class Client:
         while not future.done():
             if sock.take(timeout_s=0.05):
                 try:
-                    while not future.done():
+                    while not future.done() and not (on_wait and self._waiting.get(task_id)):
                         sock.pump(int(min(250, self.heartbeat_s * 500)))
-                        if on_wait is not None:
-                            for notice in self._take_waiting(task_id):
-                                on_wait(notice)
                 finally:
                     sock.release()
                     if self._tasks or self._control:  # others' futures: the background reads
                         sock.kicked.set()
-            elif on_wait is not None:
+            # Not holding the socket: a slow callback must not stop heartbeats and reads.
+            if on_wait is not None:
                 for notice in self._take_waiting(task_id):
                     on_wait(notice)
 
@@ -364,14 +362,18 @@ class Client:
         return reply.status
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
         with self._lock:
+            if self._closed.is_set():
+                return
             self._closed.set()
+            say_goodbye = self._failure is None
+        # Whatever still waits (another thread's submit, futures) hears it now, and a caller
+        # pumping the socket for its verdict lets go of it.
+        self._fail_all(BrokerUnavailable("this client is closed"))
         self._socket.kicked.set()
         self._thread.join(timeout=5)
-        self._socket.close(protocol.encode(protocol.Goodbye()), say=self._failure is None)
-        self._context.term()
+        if self._socket.close(protocol.encode(protocol.Goodbye()), say=say_goodbye):
+            self._context.term()
 
     def __enter__(self) -> Client:
         return self

@@ -66,6 +66,7 @@ class SharedSocket:
         self.lock = threading.Lock()
         self.outbox: deque[bytes] = deque()
         self.wanted = 0  # callers waiting for the socket: the background thread stands back
+        self._wanted_lock = threading.Lock()  # += is not atomic across threads
         self.kicked = threading.Event()  # wakes the background thread before its tick
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -104,12 +105,14 @@ class SharedSocket:
         thread holds it, and reads for everyone)."""
         if self.lock.acquire(blocking=False):
             return True
-        self.wanted += 1
+        with self._wanted_lock:
+            self.wanted += 1
         try:
             self.wake()
             return self.lock.acquire(timeout=timeout_s)
         finally:
-            self.wanted -= 1
+            with self._wanted_lock:
+                self.wanted -= 1
 
     def release(self) -> None:
         self.lock.release()
@@ -120,7 +123,10 @@ class SharedSocket:
 
     def flush(self) -> None:
         while self.outbox:
-            self.dealer.send(self.outbox.popleft())
+            # Sent, then removed: a frame interrupted before it went out stays first in line
+            # (a later env_same must not overtake the variables it refers to).
+            self.dealer.send(self.outbox[0])
+            self.outbox.popleft()
             self.last_sent = time.monotonic()
 
     def pump(self, timeout_ms: int) -> None:
@@ -160,15 +166,21 @@ class SharedSocket:
             finally:
                 self.release()
 
-    def close(self, goodbye: bytes, say: bool = True) -> None:
-        """Say goodbye (never blocking: with no broker connected a send would wait)."""
-        if say and self.take(timeout_s=5):
-            try:
+    def close(self, goodbye: bytes, say: bool = True) -> bool:
+        """Say goodbye (never blocking: with no broker connected a send would wait) and close.
+        False when another thread still holds the socket: it is then left open (closing a
+        ZeroMQ socket under another thread's poll is not allowed), to be freed with the
+        process."""
+        if not self.take(timeout_s=5):
+            return False
+        try:
+            if say:
                 self.flush()
                 with contextlib.suppress(zmq.Again):
                     self.dealer.send(goodbye, zmq.NOBLOCK)
-            finally:
-                self.lock.release()
-        self.dealer.close(0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            self.dealer.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        finally:
+            self.lock.release()
+        return True

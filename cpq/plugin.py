@@ -360,8 +360,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     the rest of collection (a suite importing torch and its helpers collects for seconds).
     A session whose cache already warmed the spec sends nothing; the warm-up after
     collection asks for as many groups as the selection can use."""
-    if item.config.option.collectonly:
-        return
+    if item.config.option.collectonly or _may_deselect(item.config):
+        return  # the warm-up after collection knows what was selected
     cpq_session = item.config.stash.get(SESSION_KEY, None)
     try:
         args = _marker_args(item)
@@ -369,11 +369,30 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         return  # reported, with the test's name, when the test runs
     if cpq_session is None or args is None:
         return
-    spec = cpq_session.spec(args[0], args[2])
+    try:
+        spec = cpq_session.spec(args[0], args[2])
+    except ValueError:  # a bad env= in the marker: reported when the test runs
+        return
     if spec in cpq_session.warmed or spec in cpq_session.warm_tried:
         return
     cpq_session.warm_tried.add(spec)
+    if not cpq_session.autostart and not _broker_running(cpq_session):
+        return  # no broker to ask, and none to start: do not wait for one per spec
     cpq_session.warm([spec], [1])
+
+
+def _may_deselect(config: pytest.Config) -> bool:
+    """Whether options may drop collected tests (``-k``, ``-m``, ``--deselect``, ``--lf``,
+    ``--sw``): a test collected is then not yet a test that runs, and warming its group
+    could start a broker and take GPUs for nothing."""
+    option = config.option
+    return bool(
+        getattr(option, "keyword", "")
+        or getattr(option, "markexpr", "")
+        or getattr(option, "deselect", None)
+        or getattr(option, "lf", False)
+        or getattr(option, "stepwise", False)
+    )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -240,6 +240,13 @@ def venv(tmp_path: Path) -> Path:
         check=True,
         timeout=120,
     )
+    # --system-site-packages reaches the base interpreter's packages, not this environment's
+    # when it is a venv itself (where cpq, torch and pyzmq may be installed): add its site
+    # directories, .pth files included (an editable cpq is one).
+    site = next((target / "lib").glob("python*/site-packages"))
+    parents = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    lines = [f"import site; site.addsitedir({p!r})" for p in parents]
+    (site / "_cpq_test_parent.pth").write_text("\n".join(lines) + "\n")
     return target
 
 

@@ -258,28 +258,44 @@ def test_later():
 
 
 def test_a_group_starts_while_the_rest_of_the_suite_is_collected(
-    pytester: pytest.Pytester, suite_env: str, tmp_path: Path
+    pytester: pytest.Pytester, suite_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first test of a session should not wait a whole spawn: its spec's group is asked
-    for the moment its first test is collected. ``--collect-only`` starts nothing."""
+    for the moment its first test is collected. ``--collect-only`` starts nothing, and
+    neither does a run whose options may deselect the test (``-k``)."""
     import json
 
+    from conftest import start_broker
+
+    from cpq.autostart import stop_broker
+
+    # A broker of its own: the shared one may have no free room, and warming never evicts.
+    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--spares", "0")
+    monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
+
     def groups(probe: str) -> list[str]:
-        with Client(suite_env) as client:
+        with Client(endpoint) as client:
             pools = client.status()["pools"]
         return [p["state"] for p in pools if p["env"].get("CPQ_COLLECT_PROBE") == probe]
 
-    for probe, flags in (("collect-only", ["--collect-only"]), ("run", [])):
-        out = tmp_path / f"{probe}.json"
+    try:
+        for probe, flags in (("collect-only", ["--collect-only"]), ("k", ["-k", "later"])):
+            out = tmp_path / f"{probe}.json"
+            pytester.makepyfile(
+                test_a=COLLECT_FIRST.format(probe=probe),
+                test_b=COLLECT_LATER.format(probe=probe, out=out),
+            )
+            result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *flags)
+            assert result.ret == 0, result.stdout.str()
+            assert json.loads(out.read_text()) == [] and groups(probe) == []
+        out = tmp_path / "run.json"
         pytester.makepyfile(
-            test_a=COLLECT_FIRST.format(probe=probe),
-            test_b=COLLECT_LATER.format(probe=probe, out=out),
+            test_a=COLLECT_FIRST.format(probe="run"),
+            test_b=COLLECT_LATER.format(probe="run", out=out),
         )
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *flags)
-        assert result.ret == 0, result.stdout.str()
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=2)
         during = json.loads(out.read_text())
-        if probe == "run":
-            assert during and set(during) <= {"starting", "idle"}, during
-            result.assert_outcomes(passed=2)
-        else:
-            assert during == [] and groups(probe) == []
+        assert during and set(during) <= {"starting", "idle"}, during
+    finally:
+        stop_broker(process)

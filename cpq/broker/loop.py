@@ -192,6 +192,9 @@ class Broker:
         except protocol.ProtocolError as exc:
             self.totals.malformed += 1
             log.warning("malformed message from client %s: %s", identity.hex(), exc)
+            # It may have been a submit whose variables a later env_same means: forget them,
+            # so that one is refused rather than run with older ones.
+            client.env_known = False
             self.transport.send_client(identity, protocol.ErrorReply(f"malformed message: {exc}"))
             return
         handler = self.client_handlers.get(type(message))

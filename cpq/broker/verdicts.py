@@ -99,6 +99,8 @@ class Verdicts:
             queue_s=(task.started_at or now) - task.first_queued_at,
             deadline_s=task.timeout_s,
         )
+        ran = task.started_at or task.attempts > 1  # not: rejected, cancelled while queued
+        timing = self.timing(task, result) if ran else None  # the outcome before any encoding
         if not task.orphaned and client is not None:
             features = client.features()
             try:
@@ -109,12 +111,12 @@ class Verdicts:
                 frame = protocol.encode_for(protocol.Done(result), features)
             self.send_client(task.client, frame)
         # After the send: the client waits for the verdict, not for the history's disk write.
-        if task.started_at or task.attempts > 1:  # it ran, or tried to (not: rejected, cancelled)
-            self.record(task, result)
+        if timing is not None:
+            self.record(timing)
 
-    def record(self, task: Task, result: TaskResult) -> None:
-        """Append the task to the timing history and learn from it; never raises."""
-        timing = TaskTiming(
+    def timing(self, task: Task, result: TaskResult) -> TaskTiming:
+        """The task's line in the timing history."""
+        return TaskTiming(
             finished_at=self.clock.time(),
             target=task.submit.target,
             test_id=task.submit.test_id,
@@ -129,6 +131,9 @@ class Verdicts:
             deadline_s=task.timeout_s,
             project=project_of(task.spec),
         )
+
+    def record(self, timing: TaskTiming) -> None:
+        """Append a finished task to the timing history and learn from it; never raises."""
         self.history.add(timing)
         self.timings.append(timing)
         self.totals.timings_write_errors = self.timings.errors

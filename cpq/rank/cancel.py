@@ -47,11 +47,6 @@ def current() -> str:
     return _state.running
 
 
-def requested_for(task_id: str) -> bool:
-    """Whether the broker asked to cancel ``task_id`` (its report then says how far it got)."""
-    return _state.requested == task_id
-
-
 def install() -> None:
     """Route the cancel signal to :func:`_handler` (main thread, before the first task)."""
     signal.signal(SIGNAL, _handler)

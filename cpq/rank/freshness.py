@@ -20,13 +20,15 @@ fresh group). What is checked, and why that is enough:
   hand is not seen (pip never does that; recycle with ``cpq stop``).
 * **Not checked**: the standard library; files read as data (``open()``), which the task
   reads afresh anyway; and generated code in the caches of just-in-time compilers (Triton's
-  ``TRITON_CACHE_DIR`` or ``~/.triton``, TorchInductor's ``TORCHINDUCTOR_CACHE_DIR`` or
-  ``<tmp>/torchinductor_<user>``, ``TORCH_EXTENSIONS_DIR``, and the user cache
-  ``XDG_CACHE_HOME`` or ``~/.cache``), plus any directory in ``CPQ_UNWATCHED``
+  ``TRITON_CACHE_DIR`` and ``~/.triton/cache``, TorchInductor's ``TORCHINDUCTOR_CACHE_DIR``
+  and ``<tmp>/torchinductor_<user>``, ``TORCH_EXTENSIONS_DIR`` and
+  ``~/.cache/torch_extensions``), plus any directory in ``CPQ_UNWATCHED``
   (``os.pathsep``-separated). A compiler writes such a module during the task that first
   imports it, and rewrites it when another process compiles the same kernel; its name is a
   hash of its source, so what the rank loaded is what a fresh run would load. Watching them
-  stopped every group that compiled a kernel (seen with Transformer Engine on GPUs).
+  stopped every group that compiled a kernel (seen with Transformer Engine on GPUs). Only
+  these: ``~/.cache`` as a whole also holds the user's code (Hugging Face's
+  ``trust_remote_code`` copies, torch hub checkouts).
 
 The test file of a marker test is the exception: it is re-executed from its path whenever
 it changes (:mod:`cpq.rank.pytest_task`), as pytest itself would load it, so its own edits
@@ -86,28 +88,17 @@ def cache_dirs() -> list[str]:
     # The defaults as well as the variables: TorchInductor sets TRITON_CACHE_DIR to its own
     # directory once imported, after Triton's driver has built its modules in ~/.triton
     # (seen on the H200 pair: tools/gpu/jit_check.py).
+    user_cache = env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     dirs = [
         env.get("TRITON_CACHE_DIR", ""),
-        os.path.join(home, ".triton"),
+        os.path.join(home, ".triton", "cache"),
         env.get("TORCHINDUCTOR_CACHE_DIR", ""),
         os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
         env.get("TORCH_EXTENSIONS_DIR", ""),
-        env.get("XDG_CACHE_HOME", ""),
-        os.path.join(home, ".cache"),
+        os.path.join(user_cache, "torch_extensions"),
         *env.get("CPQ_UNWATCHED", "").split(os.pathsep),
     ]
     return [os.path.realpath(d).rstrip(os.sep) + os.sep for d in dirs if d]
-
-
-#: Directory names of the same caches, wherever they are: a cache may have been chosen by a
-#: variable the rank does not see now (set in the pytest process, or by a task and reset
-#: since), and a container's user may have no home.
-CACHE_DIR_NAMES = frozenset({".triton", ".cache", "torch_extensions"})
-
-
-def _in_cache_dir(path: str) -> bool:
-    parts = path.split(os.sep)[:-1]
-    return any(p in CACHE_DIR_NAMES or p.startswith("torchinductor_") for p in parts)
 
 
 def _stamp(path: str) -> tuple[int, int] | None:
@@ -154,7 +145,7 @@ class CodeWatch:
                 if not self._said:
                     self._said = True
                     log.info("not watching generated code under %s", ", ".join(unwatched))
-            if real.startswith(unwatched) or _in_cache_dir(real):
+            if real.startswith(unwatched):
                 continue
             stamp = _stamp(real)
             if stamp is None:  # a module without a file on disk (zip import, frozen)

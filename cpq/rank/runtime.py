@@ -304,8 +304,9 @@ def main() -> None:
             cuda_reserved_mb=cuda_reserved_mb,
             unfit=_unfit_reason(),
             stale=stale,
-            # Only a cancelled task's report needs it (Tasks._interrupted); ~20 us otherwise.
-            pg_seq=_pg_sequence() if cancel.requested_for(task.task_id) else -1,
+            # Read by the broker after a cancel (Tasks._interrupted), which may still be
+            # unread on this socket when a short task ends: every multi-rank report has it.
+            pg_seq=_pg_sequence() if config.world_size > 1 else -1,
         )
         try:
             frame = protocol.encode_for(done, features)

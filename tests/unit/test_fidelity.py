@@ -374,10 +374,10 @@ def test_the_code_watch_sees_edits_new_packages_and_files_changed_while_loading(
     [
         "TRITON_CACHE_DIR",
         "TORCHINDUCTOR_CACHE_DIR",
-        "XDG_CACHE_HOME",
+        "TORCH_EXTENSIONS_DIR",
         "CPQ_UNWATCHED",
-        ".triton",  # a directory of that name, wherever the rank's home is
-        "torchinductor_alice",
+        "HOME/.triton/cache",  # the defaults, with no variable set
+        "XDG_CACHE_HOME/torch_extensions",
     ],
 )
 def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
@@ -386,11 +386,12 @@ def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
     """A JIT compiler writes a module during the task that imports it (and another process
     rewrites it): in its cache that is not a code change; in the project it still is."""
     monkeypatch.setattr(freshness, "_library_dirs", lambda: ([], []))
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+        monkeypatch.delenv(name, raising=False)
     cache, project = tmp_path / "cache", tmp_path / "project"
-    if where.isupper():
-        monkeypatch.setenv(where, str(cache))
-    else:
-        cache = tmp_path / "elsewhere" / where / "cache" / "3f2a9c"
+    variable, _, below = where.partition("/")
+    monkeypatch.setenv(variable, str(cache))
+    cache = cache / below / "3f2a9c" if below else cache
     cache.mkdir(parents=True)
     project.mkdir()
     started = time.time_ns()
@@ -418,8 +419,19 @@ def test_tritons_home_cache_stays_unwatched_after_inductor_moves_triton_elsewher
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor" / "triton" / "0"))
     dirs = freshness.cache_dirs()
-    assert str(tmp_path / "home" / ".triton") + os.sep in dirs
+    assert str(tmp_path / "home" / ".triton" / "cache") + os.sep in dirs
     assert str(tmp_path / "inductor" / "triton" / "0") + os.sep in dirs
+
+
+def test_code_under_the_user_cache_stays_watched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~/.cache`` also holds the user's code (Hugging Face's trust_remote_code copies of
+    a local model, torch hub checkouts): only the compilers' own directories are left out."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    modeling = tmp_path / ".cache" / "huggingface" / "modules" / "my_model" / "modeling.py"
+    assert not str(modeling).startswith(tuple(freshness.cache_dirs()))
 
 
 def test_a_reexecuted_test_module_is_not_watched(monkeypatch: pytest.MonkeyPatch) -> None:
