@@ -6,7 +6,8 @@ On the H200 pair the rank's code check once stopped every group that compiled a 
 Triton's ``~/.triton/cache/.../cuda_utils*.so`` and Inductor's
 ``/tmp/torchinductor_<user>/.../<hash>.py`` are written during the task that first needs
 them, and rewritten by a second group compiling the same kernel. This script runs
-``--tasks`` compiled kernels of growing shapes on two ws=1 groups at once (two GPUs), with
+``--tasks`` compiled kernels of growing shapes on two ws=1 groups at once (two GPUs, or
+one GPU shared with ``--oversubscribe``), with
 empty caches, and checks that no group was stopped for "code changed". It also reports what
 a rank sees of its home and caches, to explain a difference between hosts.
 
@@ -66,7 +67,12 @@ def main() -> int:
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, str(ROOT / "tools" / "gpu")]))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-    broker = PrivateBroker(work / "state", work / "logs", "0,1", env, ("--spares", "0"))
+    import torch
+
+    count = torch.cuda.device_count()
+    gpus = ",".join(str(i) for i in range(count))
+    extra = ("--spares", "0") + (("--oversubscribe",) if count < 2 else ())  # two groups
+    broker = PrivateBroker(work / "state", work / "logs", gpus, env, extra)
     started = time.perf_counter()
     try:
         with Client(broker.endpoint, name="jit-check") as client:
