@@ -211,23 +211,23 @@ def test_generated_code_in_a_compiler_cache_keeps_the_group_warm(
         from jit import load
 
         @pytest.mark.cpq(world_size=1, env={"MYPROJ_RUN": "jit"})
-        @pytest.mark.parametrize("i", range(3))
+        @pytest.mark.parametrize("i", range(2))
         def test_kernel(i):
             assert load() == 42
         """,
     )
     groups = {}
     for where in ("cache", "project"):
-        jit_dir = tmp_path / where / "kernels"
-        env = session_env(warm_broker, MYPROJ_JIT_DIR=str(jit_dir), MYPROJ_JIT_NAME=where)
+        env = session_env(warm_broker, MYPROJ_JIT_NAME=where)
+        env["MYPROJ_JIT_DIR"] = str(tmp_path / where / "kernels")
         env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
-        outcomes = same_verdicts(tmp_path, env)
-        assert set(outcomes.values()) == {"passed"}, outcomes
-        (jit_dir / f"generated_kernel_{where}.py").unlink()  # compiled afresh in the cpq run
-        output = run_pytest(tmp_path, env)[1]
-        match = re.search(r"cpq: 3 task\(s\) on (\d+) group\(s\)", output)
+        outcomes, output = run_pytest(tmp_path, env)  # the kernel is compiled in the first test
+        assert set(outcomes.values()) == {"passed"}, output
+        match = re.search(r"cpq: 2 task\(s\) on (\d+) group\(s\)", output)
         assert match is not None, output
         groups[where] = int(match.group(1))
+    # The difference a fresh run would show: none (a plain session passes as well).
+    assert set(run_pytest(tmp_path, env, plain=True)[0].values()) == {"passed"}
     assert groups["cache"] == 1 and groups["project"] > 1, groups
 
 
