@@ -136,7 +136,8 @@ class CpqSession:
         self._roots: list[str] | None = None
         self.started_broker = False
         self.warmed: dict[PoolSpec, int] = {}
-        self.warm_tried: set[PoolSpec] = set()  # asked for during collection (once per spec)
+        #: Markers (world size, env) whose group was asked for during collection, once each.
+        self.warm_tried: set[tuple[int, tuple[tuple[str, str], ...]]] = set()
         #: Why the broker is gone, once it is: every later cpq test fails with this one line
         #: instead of a client traceback (a new broker is not started behind the user's back).
         self.broker_gone: str = ""
@@ -369,13 +370,21 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         return  # reported, with the test's name, when the test runs
     if cpq_session is None or args is None:
         return
+    # Once per marker, not per collected case: building a spec reads the whole environment,
+    # and a parametrised suite collects thousands of cases of a few markers.
+    try:
+        key = (args[0], tuple(sorted((args[2] or {}).items())))
+    except TypeError:  # a bad env= in the marker: reported when the test runs
+        return
+    if key in cpq_session.warm_tried:
+        return
+    cpq_session.warm_tried.add(key)
     try:
         spec = cpq_session.spec(args[0], args[2])
     except ValueError:  # a bad env= in the marker: reported when the test runs
         return
-    if spec in cpq_session.warmed or spec in cpq_session.warm_tried:
+    if spec in cpq_session.warmed:
         return
-    cpq_session.warm_tried.add(spec)
     if not cpq_session.autostart and not _broker_running(cpq_session):
         return  # no broker to ask, and none to start: do not wait for one per spec
     cpq_session.warm([spec], [1])

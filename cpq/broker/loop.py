@@ -194,7 +194,7 @@ class Broker:
             log.warning("malformed message from client %s: %s", identity.hex(), exc)
             # It may have been a submit whose variables a later env_same means: forget them,
             # so that one is refused rather than run with older ones.
-            client.env_known = False
+            client.last_env = None
             self.transport.send_client(identity, protocol.ErrorReply(f"malformed message: {exc}"))
             return
         handler = self.client_handlers.get(type(message))
@@ -228,7 +228,7 @@ class Broker:
 
     def client_submit(self, client: Client, message: protocol.Submit) -> None:
         if message.env_same:  # the variables of this client's previous submit
-            if not client.env_known:
+            if client.last_env is None:
                 self.totals.malformed += 1
                 self.transport.send_client(
                     client.identity,
@@ -237,7 +237,7 @@ class Broker:
                 return
             message.env, message.env_same = client.last_env, False
         else:
-            client.last_env, client.env_known = message.env, True
+            client.last_env = message.env
         self.tasks.submit(client, message)
 
     def client_warm(self, client: Client, message: protocol.Warm) -> None:

@@ -58,9 +58,9 @@ class Client:
     #: BrokerUnavailable instead of waiting forever for tasks this broker does not have.
     greeted: bool = False
     busy_watch: BusyWatch = field(default_factory=BusyWatch)
-    #: The task variables of its last submit: what a submit with ``env_same`` means.
+    #: The task variables of its last submit: what a submit with ``env_same`` means (None:
+    #: unknown; a client that can say ``env_same`` always sends a map, if empty).
     last_env: dict[str, str] | None = None
-    env_known: bool = False
 
     def local_pid(self) -> int | None:
         """The client's pid if this broker can look at its process: same host and same pid
