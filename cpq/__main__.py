@@ -2,6 +2,6 @@
 
 import sys
 
-from cpq.cli import main
+from cpq.client.cli import main
 
 sys.exit(main())

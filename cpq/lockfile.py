@@ -2,7 +2,7 @@
 
 The one owner of the file's format. The broker takes the lock (an exclusive ``flock`` held
 for its whole life) and writes two lines into the file, its pid and its
-:func:`code_fingerprint`; clients (``cpq.autostart``) test the lock without a message and
+:func:`code_fingerprint`; clients (``cpq.client.autostart``) test the lock without a message and
 read the second line to tell a broker of older code from one running this code. A file
 with fewer lines (a broker older than this format) counts as this code. See
 ``docs/design.md``, "Processes and sockets".

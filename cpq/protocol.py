@@ -16,7 +16,7 @@ import hashlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import msgpack
 
@@ -31,7 +31,10 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: Bound on one captured stream (stdout or stderr) of one rank for one task.
 MAX_CAPTURE_BYTES = 256 * 1024
 
-OUTCOMES = ("passed", "failed", "skipped", "error")
+#: A verdict's or a rank's outcome. The decoder refuses any other value (fail closed:
+#: an outcome cpq does not know is malformed, never a pass; docs/design.md "Task outcome").
+Outcome = Literal["passed", "failed", "skipped", "error"]
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 RETRY_NOTE = "[CPQ-RETRY]"
 RETRY_FAIL_NOTE = "[CPQ-RETRY-FAIL]"
@@ -125,7 +128,7 @@ class RankResult:
     """What one rank reports for one task."""
 
     rank: int
-    outcome: str
+    outcome: Outcome
     error: RankError | None = None
     stdout: str = ""
     stderr: str = ""
@@ -140,7 +143,7 @@ class TaskResult:
     """The broker's verdict on one task: the aggregate of every rank's report."""
 
     task_id: str
-    outcome: str
+    outcome: Outcome
     ranks: list[RankResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     message: str = ""

@@ -7,7 +7,7 @@ so a crash or a full disk costs at most one torn line, which readers skip.
 
 This module owns the record and reads it (``cpq-status --timings`` reads with no broker
 running); the broker's writer and what it learns are :mod:`cpq.broker.history`; the table
-is :mod:`cpq.render`.
+is :mod:`cpq.client.render`.
 """
 
 from __future__ import annotations

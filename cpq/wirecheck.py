@@ -13,7 +13,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 
 class ProtocolError(ValueError):
@@ -94,6 +94,16 @@ def _buildchecker(hint: Any) -> Check:
             return {k: item(v, where) for k, v in value.items()}
 
         return check_map
+    if origin is Literal:
+        allowed = frozenset(get_args(hint))
+
+        def check_literal(value: Any, where: str) -> Any:
+            # a value the receiver does not know is malformed (fail closed), never a default
+            if isinstance(value, str) and value in allowed:
+                return value
+            raise ProtocolError(f"{where}: {value!r} is not one of {sorted(allowed)}")
+
+        return check_literal
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _record_checker(hint)
     if hint is float:

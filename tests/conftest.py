@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from cpq import Client
-from cpq.autostart import spawn_broker, stop_broker
+from cpq.client.autostart import spawn_broker, stop_broker
 
 ROOT = Path(__file__).resolve().parents[1]
 

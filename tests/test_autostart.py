@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT
 
 from cpq import Client
-from cpq.autostart import (
+from cpq.client.autostart import (
     broker_alive,
     code_fingerprint,
     ensure_broker,
@@ -67,7 +67,7 @@ def test_idle_background_broker_of_other_code_is_replaced(
     state: Path, old_cpq: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     old, endpoint = start_old_broker(state, old_cpq, "--idle-exit", "600")
-    with caplog.at_level(logging.WARNING, logger="cpq.autostart"):
+    with caplog.at_level(logging.WARNING, logger="cpq.client.autostart"):
         assert ensure_broker(endpoint) is True
     assert old.wait(timeout=30) == 0
     assert "replacing the idle background broker" in caplog.text
@@ -96,7 +96,7 @@ def test_broker_of_other_code_stays_when_someone_may_need_it(
     old, endpoint = start_old_broker(state, old_cpq, *args)
     try:
         someone = Client(endpoint, name="someone-else") if in_use else contextlib.nullcontext()
-        with someone, caplog.at_level(logging.WARNING, logger="cpq.autostart"):
+        with someone, caplog.at_level(logging.WARNING, logger="cpq.client.autostart"):
             assert ensure_broker(endpoint) is False
         assert f"it is {why}, so it stays" in caplog.text
         assert old.poll() is None

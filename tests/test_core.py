@@ -30,8 +30,8 @@ import zmq
 from conftest import ROOT, broker_reply, start_broker, stop_broker
 
 from cpq import BadRequest, Client, EncodeError, protocol
-from cpq.client import make_spec
 from cpq.protocol import RETRY_FAIL_NOTE, RETRY_NOTE, RankResult, TaskResult
+from cpq.specs import make_spec
 
 WS = 2
 #: A pool spec for tests that kill groups (sigkill, peer failure, leaks, mutations).
@@ -379,7 +379,7 @@ def _cpq(broker: str, *args: str) -> subprocess.CompletedProcess[str]:
     (The installed ``cpq`` script names ``python3.11`` where pytest may run as ``python``:
     another interpreter path, hence another pool spec and a group start of its own.)
     """
-    return _command(broker, sys.executable, "-m", "cpq.cli", *args)
+    return _command(broker, sys.executable, "-m", "cpq", *args)
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,8 @@ import pytest
 from conftest import ROOT, start_broker, stop_broker, wait_for_status
 
 from cpq import BrokerUnavailable, Client, protocol
-from cpq.client import make_spec
 from cpq.protocol import RETRY_NOTE, TaskResult
+from cpq.specs import make_spec
 
 WS = 2
 HEARTBEAT, LIVENESS = 0.5, 4

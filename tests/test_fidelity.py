@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT, start_broker, wait_for_status
 
 from cpq import Client
-from cpq.autostart import stop_broker
+from cpq.client.autostart import stop_broker
 
 CLEAN_PREFIXES = ("PYTEST_", "CPQ_", "MYPROJ_")
 

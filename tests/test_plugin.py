@@ -221,7 +221,7 @@ def test_autostart_race_ends_with_one_broker(
         assert log.count("starting group ") == 1, log  # one group (and maybe its spare)
     finally:
         subprocess.run(
-            [sys.executable, "-m", "cpq.cli", "stop", "--endpoint", endpoint],
+            [sys.executable, "-m", "cpq", "stop", "--endpoint", endpoint],
             env=dict(os.environ),
             capture_output=True,
             timeout=30,
@@ -267,7 +267,7 @@ def test_a_group_starts_while_the_rest_of_the_suite_is_collected(
 
     from conftest import start_broker
 
-    from cpq.autostart import stop_broker
+    from cpq.client.autostart import stop_broker
 
     # A broker of its own: the shared one may have no free room, and warming never evicts.
     process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--spares", "0")

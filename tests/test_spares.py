@@ -20,7 +20,7 @@ import pytest
 from conftest import start_broker, wait_for_status
 
 from cpq import Client
-from cpq.autostart import stop_broker
+from cpq.client.autostart import stop_broker
 
 TARGETS = """
 import time

@@ -80,7 +80,7 @@ def cli(endpoint: str, state: Path | None, *args: str) -> subprocess.CompletedPr
     if state is not None:
         env["CPQ_STATE_DIR"] = str(state)
     return subprocess.run(
-        [sys.executable, "-m", "cpq.cli", *args],
+        [sys.executable, "-m", "cpq", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -286,7 +286,7 @@ def test_groups_are_recycled_after_max_tasks_and_after_memory_growth(
 
 
 def _spec(options: dict[str, Any]) -> Any:
-    from cpq.client import make_spec
+    from cpq.specs import make_spec
 
     return make_spec(options["world_size"], options["env"], options["roots"], options["backend"])
 
@@ -426,7 +426,7 @@ def test_watch_redraws_in_place(broker: str) -> None:
     """On a terminal --watch overwrites the previous screen; piped, it prints frames."""
     leader, follower = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cpq.cli", "status", "--endpoint", broker, "--watch", "0.1"],
+        [sys.executable, "-m", "cpq", "status", "--endpoint", broker, "--watch", "0.1"],
         stdin=subprocess.DEVNULL,
         stdout=follower,
         stderr=subprocess.PIPE,
@@ -463,7 +463,7 @@ def test_watch_redraws_in_place(broker: str) -> None:
         [
             sys.executable,
             "-m",
-            "cpq.cli",
+            "cpq",
             "status",
             "--endpoint",
             broker,

@@ -33,7 +33,7 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, setui
 
 def cpq_cli(*args: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cpq.cli", *args],
+        [sys.executable, "-m", "cpq", *args],
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
         text=True,
@@ -114,7 +114,7 @@ def test_unsafe_state_directory_is_refused_with_the_reason(
     }[command]
     env = {**clean_env(), "CPQ_STATE_DIR": str(state)}
     proc = subprocess.run(
-        [sys.executable, "-m", "cpq.cli", *argv],
+        [sys.executable, "-m", "cpq", *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -234,7 +234,7 @@ def tcp_broker(tmp_path: Path) -> Iterator[object]:
         state.mkdir(mode=0o700)
         log = open(state / "broker.stdout", "wb")  # noqa: SIM115 - as long as the broker
         process = subprocess.Popen(
-            [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, "--gpus", "none",
+            [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint, "--gpus", "none",
              *args],
             env={**tcp_broker_env(state, keys), "PYTHONPATH": str(ROOT)},
             stdout=log,

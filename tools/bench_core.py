@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpq import Client, TaskResult  # noqa: E402
-from cpq.autostart import broker_alive  # noqa: E402
+from cpq.client.autostart import broker_alive  # noqa: E402
 
 NOOP = "workers.collectives:noop"
 #: cpq and the stdio pool take turns, this many tasks each, so both see the same load.
@@ -133,7 +133,7 @@ def main() -> int:
 
     state = Path(tempfile.mkdtemp(prefix="cpq-bench-"))
     endpoint = f"ipc://{state / 'broker.sock'}"
-    command = [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint]
+    command = [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint]
     command += ["--gpus", "none", *args.broker_arg]
     broker = subprocess.Popen(
         command,

@@ -28,7 +28,7 @@ Two more rows, for diagnosis rather than as modes of their own:
 
 Everything is started with ``sys.executable -m ...`` (never console scripts) so the same
 script runs on a host where cpq is only on ``PYTHONPATH``, not installed. The pytest modes
-run with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and name their plugins (``-p cpq.plugin``,
+run with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and name their plugins (``-p cpq.client.plugin``,
 ``-p xdist.plugin``), so unrelated plugins installed on the machine are not billed to them
 (``--autoload`` measures with everything loaded).
 
@@ -365,7 +365,7 @@ def pytest_sessionstart(session):
         # What the plugin could do with the previous run's specs (e.g. from config.cache):
         # ask for the group before collection imports torch, instead of after collection.
         try:
-            from cpq.plugin import SESSION_KEY
+            from cpq.client.plugin import SESSION_KEY
 
             cpq_session = session.config.stash[SESSION_KEY]
             cpq_session.client.warm([cpq_session.spec(EARLY_WARM, None)], [1])
@@ -405,7 +405,7 @@ def pytest_runtest_logfinish(nodeid, location):
 def pytest_sessionfinish(session, exitstatus):
     roots = None
     try:
-        from cpq.plugin import SESSION_KEY
+        from cpq.client.plugin import SESSION_KEY
 
         roots = session.config.stash[SESSION_KEY].roots()
     except Exception:
@@ -495,14 +495,14 @@ def _pytest_args(mode: int, autoload: bool) -> list[str]:
 
     Why: whatever else a machine has installed would be billed to the pytest modes (here
     hypothesis' plugin imports hypothesis in ``pytest_terminal_summary``), and naming
-    ``cpq.plugin`` works where cpq is only on PYTHONPATH. With ``autoload`` (``--autoload``,
-    to measure what the installed plugins cost) ``-p cpq.plugin`` is passed only where the
+    ``cpq.client.plugin`` works where cpq is only on PYTHONPATH. With ``autoload`` (``--autoload``,
+    to measure what the installed plugins cost) ``-p cpq.client.plugin`` is passed only where the
     entry point is missing: passing it as well would register the module twice.
     """
     args = ["-q", "-p", "no:cacheprovider"]
     installed = any(ep.name == "cpq" for ep in importlib.metadata.entry_points(group="pytest11"))
     if mode in (3, 4, 5) and not (autoload and installed):
-        args += ["-p", "cpq.plugin"]
+        args += ["-p", "cpq.client.plugin"]
     if mode == 4:
         args += ([] if autoload else ["-p", "xdist.plugin"]) + ["-n", "2"]
     return args

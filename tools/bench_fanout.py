@@ -50,7 +50,7 @@ from slurm import SlurmCluster, wait_until  # noqa: E402
 from cpq.fanout.shard import SPAWN_PREFIX, TestInfo, partition, planned_loads  # noqa: E402
 
 SUITE = "tests/test_cp_attention.py"
-PYTEST = ["-p", "cpq.plugin", "-p", "no:cacheprovider", "--noconftest", "-q"]
+PYTEST = ["-p", "cpq.client.plugin", "-p", "no:cacheprovider", "--noconftest", "-q"]
 
 
 def clean_env(state: Path) -> dict[str, str]:

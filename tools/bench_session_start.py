@@ -79,7 +79,7 @@ def first_wait(broker: PrivateBroker, seen: int) -> tuple[float, int]:
 
 def session(broker: PrivateBroker, project: Path, log: Path, cache: bool) -> float:
     env = dict(broker.env, CPQ_AUTOSTART="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "cpq.plugin"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "cpq.client.plugin"]
     if not cache:
         command += ["-p", "no:cacheprovider"]
     run = run_logged(command, log, env, project, 300)

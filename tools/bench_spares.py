@@ -173,7 +173,7 @@ def suite(work: Path, spares: bool, env: dict[str, str]) -> dict[str, Any]:
             "pytest",
             "-q",
             "-p",
-            "cpq.plugin",
+            "cpq.client.plugin",
             "-p",
             "no:cacheprovider",
         ]

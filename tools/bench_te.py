@@ -14,7 +14,7 @@ the table that says how much that saves and where the torchrun time goes:
    process on a fresh machine pays one-off costs (~6 s more first-case warm-up, per
    tools/gpu/README.md) that belong to neither mode of the comparison.
 2. ``cpq``: a fresh broker (``--gpus auto``, its own ``CPQ_STATE_DIR`` and ``CPQ_ENDPOINT``)
-   and ``python -m pytest -p cpq.plugin tests/gpu/test_te_cp_attention.py -k "not
+   and ``python -m pytest -p cpq.client.plugin tests/gpu/test_te_cp_attention.py -k "not
    test_te_cp_ws4"`` (the 24 ws=2 cases): wall, per-test times (JUnit XML), and the broker's
    ``Client.status()`` snapshot (groups started, each pool's ``ready_after_s``) after it.
 3. ``torchrun``: ``--k`` cases (default 6, the representative ones of te_standalone.py), each
@@ -30,7 +30,7 @@ start is reported but not in ``wall``. ``ratio`` = (torchrun mean per case x cas
 
 Everything is started as ``sys.executable -m ...`` (no console scripts): on the GPU host cpq
 is on ``PYTHONPATH`` (``/tmp/site:<repo>``), not installed, so the plugin is loaded with
-``-p cpq.plugin`` when no ``pytest11`` entry point provides it.
+``-p cpq.client.plugin`` when no ``pytest11`` entry point provides it.
 
 Usage::
 
@@ -270,12 +270,12 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def plugin_args() -> list[str]:
-    """``-p cpq.plugin`` unless a ``pytest11`` entry point already loads it (loading the
+    """``-p cpq.client.plugin`` unless a ``pytest11`` entry point already loads it (loading the
     module under two names would make pytest refuse it)."""
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        return ["-p", "cpq.plugin"]
+        return ["-p", "cpq.client.plugin"]
     installed = any(ep.name == "cpq" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "cpq.plugin"]
+    return [] if installed else ["-p", "cpq.client.plugin"]
 
 
 def private_broker(work: Path, name: str, gpus: str, env: dict[str, str]) -> PrivateBroker:

@@ -84,7 +84,7 @@ class PrivateBroker:
         env: dict[str, str],
         extra: tuple[str, ...] = (),
     ) -> None:
-        from cpq.autostart import spawn_broker
+        from cpq.client.autostart import spawn_broker
 
         state.mkdir(mode=0o700, parents=True, exist_ok=True)
         state.chmod(0o700)
@@ -112,6 +112,6 @@ class PrivateBroker:
             return client.status()
 
     def stop(self) -> None:
-        from cpq.autostart import stop_broker
+        from cpq.client.autostart import stop_broker
 
         stop_broker(self.process)

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpq import Client, TaskResult, protocol  # noqa: E402
-from cpq.autostart import spawn_broker, stop_broker  # noqa: E402
+from cpq.client.autostart import spawn_broker, stop_broker  # noqa: E402
 
 WS = 2
 ECHO = "workers.collectives:echo"
@@ -420,7 +420,7 @@ def soak(
 
 
 def _spec() -> Any:
-    from cpq.client import make_spec
+    from cpq.specs import make_spec
 
     return make_spec(WS, None, [str(ROOT)])
 

@@ -18,10 +18,7 @@ groups. See ``docs/design.md``.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -42,7 +39,7 @@ TICK_S = 0.05
 #: Messages handled from one socket before the other gets its turn.
 DRAIN_BUDGET = 1000
 
-__all__ = ["TICK_S", "Broker", "BrokerAlreadyRunning", "BrokerConfig", "detect_gpus", "run_broker"]
+__all__ = ["TICK_S", "Broker", "BrokerAlreadyRunning", "BrokerConfig", "run_broker"]
 
 
 class Wire(Protocol):
@@ -181,22 +178,17 @@ class Broker:
             return
         identity, frame = frames
         client = self.clients.get(identity)
-        if client is None:
-            now = self.clock.monotonic()
-            client = self.clients[identity] = Client(
-                identity, last_seen=now, connected_at=self.clock.time()
-            )
-        client.last_seen = self.clock.monotonic()
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
             self.totals.malformed += 1
             log.warning("malformed message from client %s: %s", identity.hex(), exc)
-            # It may have been a submit whose variables a later env_same means: forget them,
-            # so that one is refused rather than run with older ones.
-            client.last_env = None
+            if client is not None:
+                # It may have been a submit whose variables a later env_same means: forget
+                # them, so that one is refused rather than run with older ones.
+                client.last_env = None
             self.transport.send_client(identity, protocol.ErrorReply(f"malformed message: {exc}"))
-            return
+            return  # junk proves nothing about the peer: no client record, no liveness
         handler = self.client_handlers.get(type(message))
         if handler is None:
             self.totals.malformed += 1
@@ -207,6 +199,12 @@ class Broker:
                 identity, protocol.ErrorReply(f"{message.KIND!r} is not a client message")
             )
             return
+        now = self.clock.monotonic()
+        if client is None:
+            client = self.clients[identity] = Client(
+                identity, last_seen=now, connected_at=self.clock.time()
+            )
+        client.last_seen = now
         handler(client, message)
         self.settle()
 
@@ -284,10 +282,10 @@ class Broker:
             return
         known = self.pools.ranks.get(identity)
         if known is None:
+            self.totals.malformed += 1
             log.warning("dropping %r from an unknown rank peer %s", message.KIND, identity.hex())
             return
         group, rank = known
-        rank.last_seen = self.clock.monotonic()
         handler = self.rank_handlers.get(type(message))
         if handler is None:
             self.totals.malformed += 1
@@ -297,7 +295,8 @@ class Broker:
                 rank.rank,
                 group.id,
             )
-            return
+            return  # junk does not prove the rank alive: its liveness is not refreshed
+        rank.last_seen = self.clock.monotonic()
         handler(group, rank, message)
         self.settle()
 
@@ -426,27 +425,6 @@ class Broker:
 
 
 # --------------------------------------------------------------------------- running
-
-
-def detect_gpus(requested: str) -> list[str]:
-    """``--gpus``: ``auto`` (CUDA_VISIBLE_DEVICES, else nvidia-smi), ``none``, or a list."""
-    if requested == "none":
-        return []
-    if requested != "auto":
-        return [g.strip() for g in requested.split(",") if g.strip()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        listing = subprocess.run(
-            [smi, "-L"], capture_output=True, text=True, timeout=20, check=True
-        )
-    except (subprocess.SubprocessError, OSError):
-        return []
-    return [str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU ")]
 
 
 def run_broker(config: BrokerConfig) -> None:

@@ -221,7 +221,7 @@ class Pools:
         for rank in group.ranks.values():
             self.send_rank(rank.identity, self._shutdown)
             self.ranks.pop(rank.identity, None)
-        group.process.terminate(self.config.kill_grace_s)
+        group.process.terminate(self.clock.monotonic() + self.config.kill_grace_s)
 
     def fail(self, group: Group, reason: str) -> None:
         """A rank died, went silent, or the group never came up: stop it, report it."""
@@ -356,7 +356,7 @@ class Pools:
 
     def _tick_group(self, group: Group, now: float) -> None:
         if group.state == "stopping":
-            if group.process.reap():
+            if group.process.reap(now):
                 self.resources.release(group.spec, group.process.gpus)
                 del self.groups[group.id]
             return
@@ -387,13 +387,14 @@ class Pools:
 
     def close(self, sleep: Callable[[float], None]) -> None:
         """Kill every group and wait (a bounded time) until they are gone."""
+        now = self.clock.monotonic()
         for group in list(self.groups.values()):
-            group.process.terminate(0.0)
-        deadline = self.clock.monotonic() + self.config.kill_grace_s + 2
-        while self.clock.monotonic() < deadline and not all(
-            g.process.reap() for g in self.groups.values()
+            group.process.terminate(now)
+        deadline = now + self.config.kill_grace_s + 2
+        while (now := self.clock.monotonic()) < deadline and not all(
+            g.process.reap(now) for g in self.groups.values()
         ):
             sleep(0.05)
         for group in self.groups.values():
-            group.process.terminate(0.0)
-            group.process.reap()
+            group.process.terminate(now)
+            group.process.reap(now)

@@ -1,7 +1,7 @@
 """The status document: the one dict behind ``cpq-status``, ``--json`` and ``--prometheus``.
 
 Built from the broker's live state on each request, so it is exact at that moment and costs
-nothing between requests. Every field is plain msgpack data; :mod:`cpq.render` renders it.
+nothing between requests. Every field is plain msgpack data; :mod:`cpq.client.render` renders it.
 Kept out of :mod:`cpq.broker.loop` so the event loop reads as the event loop; it reads
 the parts (config, pools, tasks, clients, totals) and imports nothing that imports it.
 """

@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -145,22 +144,25 @@ class GroupProcess:
 
     # ---- kill
 
-    def terminate(self, grace_s: float) -> None:
-        """SIGTERM the whole tree now; :meth:`reap` sends SIGKILL after ``grace_s``."""
+    def terminate(self, kill_at: float) -> None:
+        """SIGTERM the whole tree now; :meth:`reap` sends SIGKILL from ``kill_at`` on.
+
+        Times are the broker clock's (docs/design.md "Time"): the supervisor reads none.
+        """
         if self._kill_at is not None:
             return
         self._doomed = self._tree()
         for proc in self._doomed:
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGTERM)
-        self._kill_at = time.monotonic() + grace_s
+        self._kill_at = kill_at
 
-    def reap(self) -> bool:
+    def reap(self, now: float) -> bool:
         """Escalate and collect; True once every process of the group is gone."""
         if self.popen is not None:
             self.popen.poll()
         alive = [p for p in self._doomed if _running(p)]
-        if alive and self._kill_at is not None and time.monotonic() >= self._kill_at:
+        if alive and self._kill_at is not None and now >= self._kill_at:
             for proc in alive:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()

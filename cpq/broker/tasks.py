@@ -266,7 +266,7 @@ class Tasks:
         group = task.group
         assert group is not None
         results = [task.results[r] for r in sorted(task.results)]
-        outcome, message = verdict(results)
+        outcome, message = verdict(results, group.spec.world_size)
         self.finish(task, outcome, message=message, ranks=results)  # the verdict goes first
         self.group_requests.append(GroupRequest(group))
 
@@ -381,7 +381,11 @@ class Tasks:
             self.finish(task, "error", message=f"the broker stopped: {why}")
 
     def finish(
-        self, task: Task, outcome: str, message: str = "", ranks: list[RankResult] | None = None
+        self,
+        task: Task,
+        outcome: protocol.Outcome,
+        message: str = "",
+        ranks: list[RankResult] | None = None,
     ) -> None:
         """The task's verdict: it leaves the broker's books and goes to its client."""
         self.tasks.pop(task.key, None)

@@ -71,7 +71,7 @@ class Verdicts:
     def send(
         self,
         task: Task,
-        outcome: str,
+        outcome: protocol.Outcome,
         message: str = "",
         ranks: list[RankResult] | None = None,
     ) -> None:
@@ -158,11 +158,32 @@ def where(task: Task, rank_no: int) -> str:
     return "(no answer: the rank is not responding)"
 
 
-def verdict(results: list[RankResult]) -> tuple[str, str]:
-    """The outcome table: every rank's report → the task's outcome and message."""
+def verdict(results: list[RankResult], world_size: int) -> tuple[protocol.Outcome, str]:
+    """The outcome table: every rank's report → the task's outcome and message.
+
+    Fail closed (docs/design.md "Task outcome"): a task passes only when every one of its
+    ``world_size`` ranks reported ``passed``. A real failure wins over everything (it is the
+    user's verdict; ranks stuck after it are reported as ``error`` by the broker); then an
+    outcome the table does not know, a rank that did not report, or a rank's ``error`` make
+    the task an ``error`` — never a pass.
+    """
     outcomes = {r.outcome for r in results}
     if "failed" in outcomes:
         return "failed", ""
+    unknown = sorted(outcomes - set(protocol.OUTCOMES))
+    if unknown:
+        ranks = [r.rank for r in results if r.outcome in unknown]
+        return "error", f"rank(s) {ranks} reported an unknown outcome {unknown}"
+    reported = sorted(r.rank for r in results)
+    if reported != list(range(world_size)):
+        return "error", f"ranks {reported} reported, a ws={world_size} task needs every rank once"
+    if "error" in outcomes:
+        errors = [r for r in results if r.outcome == "error"]
+        why = "; ".join(
+            f"rank {r.rank}: {r.error.type}: {r.error.message}" if r.error else f"rank {r.rank}"
+            for r in errors
+        )
+        return "error", f"rank(s) {[r.rank for r in errors]} reported an error ({why})"
     if outcomes == {"skipped"}:
         return "skipped", results[0].error.message if results[0].error else ""
     if "skipped" in outcomes:
@@ -171,4 +192,6 @@ def verdict(results: list[RankResult]) -> tuple[str, str]:
             f"rank(s) {skipped} skipped while the others ran; a skip must be taken on every "
             "rank (call pytest.skip before any rank-dependent branch)"
         )
-    return "passed", ""
+    if outcomes == {"passed"}:
+        return "passed", ""
+    return "error", f"no verdict for the rank outcomes {sorted(outcomes)}"  # not reached

@@ -1,6 +1,6 @@
 """``cpq merge [--junit OUT.xml] [--durations OUT.json] DIR_OR_FILE...``.
 
-Kept apart from ``cpq.cli`` so the merge (a CI step on a machine that may have no broker,
+Kept apart from ``cpq.client.cli`` so the merge (a CI step on a machine that may have no broker,
 no GPU and no torch) imports nothing but the standard library and this package.
 Bad input (an unreadable or malformed manifest, a durations file that is not an object of
 seconds) is exit 4 like every other cpq usage error, and is detected before anything is

@@ -15,12 +15,12 @@ the collection its workers hand back). They are written only when sharding is on
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def _record(records: dict[str, TestRecord], report: pytest.TestReport) -> None:
 
 
 class FanoutPlugin:
-    """Registered by ``cpq.plugin`` as ``cpq-fanout`` in every pytest process."""
+    """Registered by ``cpq.client.plugin`` as ``cpq-fanout`` in every pytest process."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -135,6 +135,7 @@ class FanoutPlugin:
         self.records: dict[str, TestRecord] = {}
         self.specs: dict[str, str] = {}
         self.recorded: dict[str, float] = {}  # the durations file the partition read
+        self.groups_started: Callable[[], int] = lambda: 0  # set by register()
 
     @property
     def active(self) -> bool:
@@ -247,12 +248,7 @@ class FanoutPlugin:
                 own = self.recorded.get(first) or statistics.median(w for _, w in runs[1:])
                 spawn_s[label] = round(max(0.0, wall - own), 3)
                 spawn_tests[label] = first
-        groups = 0
-        try:  # through importlib: cpq.plugin is typed by its owners, not part of this package
-            cpq_plugin = importlib.import_module("cpq.plugin")
-            groups = len(self.config.stash[cpq_plugin.SESSION_KEY].stats.groups)
-        except Exception:  # a count for the summary; results must be written regardless
-            pass
+        groups = self.groups_started()
         return groups, spawn_s, spawn_tests
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -279,9 +275,15 @@ class FanoutXdistController:
             self.plugin.adopt(dict(data))
 
 
-def register(config: pytest.Config) -> None:
-    """Register the fan-out plugin (and its xdist helper) on ``config``."""
+def register(config: pytest.Config, groups_started: Callable[[], int]) -> None:
+    """Register the fan-out plugin (and its xdist helper) on ``config``.
+
+    ``groups_started`` is the cpq plugin's own count of the groups this session's tests ran
+    on: handed in by the plugin that registers this one, so the fan-out imports nothing of
+    the client side (docs/design.md "Module map").
+    """
     plugin = FanoutPlugin(config)
+    plugin.groups_started = groups_started
     config.pluginmanager.register(plugin, "cpq-fanout")
     xdist = any(config.pluginmanager.hasplugin(n) for n in ("xdist", "xdist.plugin"))
     if xdist and not plugin.is_worker:

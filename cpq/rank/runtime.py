@@ -168,7 +168,8 @@ def _peak_cuda_mb() -> float:
 def run_task(
     task: protocol.RunTask, rank: int, baseline: Baseline, capture: FdCapture
 ) -> protocol.RankResult:
-    outcome, error, value = "passed", None, None
+    outcome: protocol.Outcome = "passed"
+    error, value = None, None
     start = time.perf_counter()
     try:
         reset_state(baseline, task.seed, task.env)

@@ -12,7 +12,7 @@ from cpq.fanout import cli
 pytest_plugins = ["pytester"]
 
 #: Only cpq's plugin (and xdist where asked): each session then starts in well under a second.
-BASE = ("-p", "cpq.plugin", "-p", "no:cacheprovider")
+BASE = ("-p", "cpq.client.plugin", "-p", "no:cacheprovider")
 
 
 @pytest.fixture(autouse=True)

@@ -87,7 +87,7 @@ def submit(
     }
     out = cluster.run(
         "sbatch", "--parsable", f"--array={array}", f"--output={results.parent}/%x-%A_%a.out",
-        str(TEMPLATE), "-p", "cpq.plugin", "-p", "no:cacheprovider", "-q", *args,
+        str(TEMPLATE), "-p", "cpq.client.plugin", "-p", "no:cacheprovider", "-q", *args,
         env=job_env,
     )  # fmt: skip
     return out.strip().split(";")[0]

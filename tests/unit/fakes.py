@@ -112,10 +112,10 @@ class FakeProcess:
     def log_tail(self, max_bytes: int = 4000) -> str:
         return f"the log of {self.group_id}"
 
-    def terminate(self, grace_s: float) -> None:
-        self.terminated_with = grace_s
+    def terminate(self, kill_at: float) -> None:
+        self.terminated_with = kill_at
 
-    def reap(self) -> bool:
+    def reap(self, now: float) -> bool:
         return self.terminated_with is not None and self.gone_after_terminate
 
 

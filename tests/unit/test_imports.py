@@ -1,5 +1,5 @@
 """Who may import whom (docs/design.md, "Module map"), read from the source, TYPE_CHECKING
-imports included."""
+imports included. ``tests/test_imports.py`` checks the same rules at run time, per process."""
 
 from __future__ import annotations
 
@@ -18,8 +18,15 @@ SHARED = {
     "cpq.osutil",
     "cpq.environ",
     "cpq.wirecheck",
+    "cpq.specs",
 }
-CLIENT_SIDE = {"cpq.client", "cpq.autostart", "cpq.plugin", "cpq.cli", "cpq.render", "cpq.__main__"}
+# A process folder may import the shared leaves and the folders listed here, nothing else.
+FOLDERS = {
+    "cpq.broker": set(),
+    "cpq.rank": set(),
+    "cpq.fanout": set(),
+    "cpq.client": {"cpq.fanout"},  # the plugin registers the fan-out; `cpq merge` runs it
+}
 
 
 def module_name(path: Path) -> str:
@@ -41,11 +48,7 @@ def imports_of(path: Path) -> set[str]:
     return {m for m in found if m != "cpq.__version__"}
 
 
-GRAPH = {
-    module_name(p): imports_of(p)
-    for p in sorted(PACKAGE.rglob("*.py"))
-    if "fanout" not in p.parts  # cpq/fanout/ (issue 14) has its own rules
-}
+GRAPH = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def real(name: str) -> str:
@@ -53,29 +56,48 @@ def real(name: str) -> str:
     return name if name in GRAPH else name.rsplit(".", 1)[0]
 
 
+def folder(module: str) -> str | None:
+    return next((f for f in FOLDERS if module == f or module.startswith(f + ".")), None)
+
+
+def test_every_module_is_a_shared_leaf_or_in_a_process_folder() -> None:
+    loose = {m for m in GRAPH if m not in SHARED and folder(m) is None}
+    assert loose <= {"cpq", "cpq.__main__"}, loose
+
+
 @pytest.mark.parametrize("module", sorted(SHARED & set(GRAPH)))
 def test_shared_modules_import_only_shared_modules(module: str) -> None:
-    assert {real(m) for m in GRAPH[module]} <= SHARED | {"cpq"}, GRAPH[module]
+    assert {real(m) for m in GRAPH[module]} <= SHARED, GRAPH[module]
 
 
-@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("cpq.broker")))
-def test_the_broker_imports_no_client_side_module(module: str) -> None:
-    # The package itself counts as client side: cpq/__init__.py imports the client.
-    bad = {real(m) for m in GRAPH[module]} & (CLIENT_SIDE | {"cpq"})
-    assert not bad and not any(real(m).startswith("cpq.rank") for m in GRAPH[module]), bad
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if folder(m) is not None))
+def test_a_process_folder_imports_only_the_leaves_and_its_allowed_folders(module: str) -> None:
+    own = folder(module)
+    assert own is not None
+    allowed = {own, *FOLDERS[own]}
+    bad = {
+        real(m) for m in GRAPH[module] if real(m) not in SHARED and folder(real(m)) not in allowed
+    }
+    # the bare package counts as foreign: its names lead into the client (`cpq.Client`)
+    assert not bad, f"{module} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("cpq.rank")))
-def test_the_rank_runtime_imports_nothing_of_the_broker(module: str) -> None:
-    assert not any(real(m).startswith("cpq.broker") for m in GRAPH[module]), GRAPH[module]
-    assert not {real(m) for m in GRAPH[module]} & CLIENT_SIDE
+def test_the_package_and_python_m_cpq_reach_their_names_lazily() -> None:
+    """``cpq/__init__`` imports no cpq module at import time (PEP 562 ``__getattr__``)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    eager = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cpq")
+    ]
+    assert not eager, [ast.unparse(n) for n in eager]
 
 
 def test_no_import_cycle() -> None:
     graph = {
         m: {real(i) for i in deps if real(i) in GRAPH and real(i) != m} for m, deps in GRAPH.items()
     }
-    graph["cpq"] = set()  # the package's re-exports are for users, not for cpq's own modules
+    graph["cpq"] = set()  # the package's lazy names are for users, not for cpq's own modules
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:

@@ -12,12 +12,17 @@ from cpq.protocol import RETRY_FAIL_NOTE, RETRY_NOTE, RankResult
 
 from .fakes import Sim, spec
 
-OUTCOMES = ("passed", "failed", "skipped")
+# every outcome a rank may report, and one no version of cpq knows (a decoder bypassed or a
+# future rank): the table must fail closed on it
+OUTCOMES = ("passed", "failed", "skipped", "error", "weird")
 
 
 def expected(outcomes: tuple[str, ...]) -> str:
+    """The table of docs/design.md, written independently of cpq.broker.verdicts."""
     if "failed" in outcomes:
         return "failed"
+    if any(o not in ("passed", "failed", "skipped") for o in outcomes):
+        return "error"  # an error or an unknown outcome: never a pass
     if set(outcomes) == {"skipped"}:
         return "skipped"
     if "skipped" in outcomes:
@@ -28,23 +33,42 @@ def expected(outcomes: tuple[str, ...]) -> str:
 ALL_REPORTS = [o for ws in (1, 2, 3, 4) for o in itertools.product(OUTCOMES, repeat=ws)]
 
 
-@pytest.mark.parametrize("outcomes", ALL_REPORTS, ids="-".join)
-def test_verdict_follows_the_outcome_table(outcomes: tuple[str, ...]) -> None:
-    results = [
+def reports(outcomes: tuple[str, ...]) -> list[RankResult]:
+    return [
         RankResult(
-            rank=r, outcome=o, error=protocol.RankError("E", f"why {r}") if o != "passed" else None
+            rank=r,
+            outcome=o,  # type: ignore[arg-type]  # "weird" on purpose
+            error=protocol.RankError("E", f"why {r}") if o != "passed" else None,
         )
         for r, o in enumerate(outcomes)
     ]
-    outcome, message = verdict(results)
+
+
+@pytest.mark.parametrize("outcomes", ALL_REPORTS, ids="-".join)
+def test_verdict_follows_the_outcome_table(outcomes: tuple[str, ...]) -> None:
+    outcome, message = verdict(reports(outcomes), len(outcomes))
     assert outcome == expected(outcomes)
     if outcome == "skipped":
         assert message == "why 0"
     if outcome == "failed" and "failed" not in outcomes:
         assert "skipped while the others ran" in message
+    if outcome == "error":
+        assert "weird" in message or "reported an error" in message
 
 
-@pytest.mark.parametrize("outcomes", [o for o in ALL_REPORTS if len(o) <= 3], ids="-".join)
+@pytest.mark.parametrize("outcomes", [o for o in ALL_REPORTS if "failed" not in o], ids="-".join)
+def test_a_rank_missing_from_the_reports_is_never_a_pass(outcomes: tuple[str, ...]) -> None:
+    # one rank short, or a rank reported twice: the task did not run everywhere
+    short = reports(outcomes)[:-1]
+    assert verdict(short, len(outcomes))[0] == "error"
+    twice = [*reports(outcomes), reports(outcomes)[0]]
+    assert verdict(twice, len(outcomes))[0] == "error"
+
+
+KNOWN_REPORTS = [o for o in ALL_REPORTS if len(o) <= 3 and "weird" not in o]
+
+
+@pytest.mark.parametrize("outcomes", KNOWN_REPORTS, ids="-".join)
 def test_every_rank_reporting_gives_one_verdict_and_frees_the_group(
     outcomes: tuple[str, ...],
 ) -> None:
@@ -61,7 +85,8 @@ def test_every_rank_reporting_gives_one_verdict_and_frees_the_group(
     assert result.attempts == 1 and result.notes == [] and result.group_id == "g1"
     assert sim.states() == {"g1": "idle"}  # a failing test does not cost its group
     totals = sim.broker.totals
-    assert getattr(totals, result.outcome) == 1 and totals.retries == 0
+    counter = "errors" if result.outcome == "error" else result.outcome
+    assert getattr(totals, counter) == 1 and totals.retries == 0
 
 
 def test_a_late_report_for_a_decided_task_is_ignored() -> None:

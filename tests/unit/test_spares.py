@@ -11,7 +11,7 @@ import pytest
 from cpq import protocol
 from cpq.broker.affinity import Affinity
 from cpq.broker.spares import RETRY_AFTER_S
-from cpq.plugin import default_affinity
+from cpq.client.plugin import default_affinity
 
 from .fakes import Sim, spec
 

@@ -134,9 +134,63 @@ def test_any_message_from_an_unknown_rank_peer_changes_nothing(
     message = example(kind)
     if isinstance(message, protocol.RankHello):
         message.token = "wrong"
+    before = sim.broker.totals.malformed
     sim.rank_send(b"stranger", message)
     assert b"stranger" not in sim.broker.pools.ranks
+    if not isinstance(message, protocol.RankHello):  # a hello with a wrong token: refused
+        assert sim.broker.totals.malformed == before + 1  # junk from strangers is counted
     serves(sim)
+
+
+JUNK = [b"\xc1", protocol.encode(protocol.Heartbeat())[:-1] + b"\x00", b"\x80"]
+
+
+@pytest.mark.parametrize("junk", JUNK)
+def test_junk_from_a_rank_never_keeps_it_alive(junk: bytes) -> None:
+    """A rank that sends only junk is silent: it is failed like one that sends nothing."""
+    sim = warm_sim()
+    identity = sim.rank_id("g1", 0)
+    before = sim.broker.totals.malformed
+    for _ in range(40):  # 20 s of junk instead of heartbeats
+        sim.clock.advance(0.5)
+        sim.broker.on_rank_frames([identity, junk])
+        sim.broker.tick(sim.clock.monotonic())
+    assert sim.broker.totals.malformed >= before + 10
+    assert sim.states().get("g1", "stopping") == "stopping"  # failed as silent
+
+
+def test_a_known_rank_sending_a_client_message_is_not_refreshed() -> None:
+    sim = warm_sim()
+    identity = sim.rank_id("g1", 0)
+    for _ in range(40):
+        sim.clock.advance(0.5)
+        sim.rank_send(identity, protocol.StatusRequest())
+        sim.broker.tick(sim.clock.monotonic())
+    assert sim.states().get("g1", "stopping") == "stopping"
+
+
+@pytest.mark.parametrize("junk", JUNK)
+def test_junk_from_a_new_client_leaves_no_client_behind(junk: bytes) -> None:
+    sim = warm_sim()
+    clients = set(sim.broker.clients)
+    sim.broker.on_client_frames([b"newcomer", junk])
+    assert set(sim.broker.clients) == clients  # no record: junk proves nothing about a peer
+    assert sim.errors(b"newcomer") and "malformed message" in sim.errors(b"newcomer")[-1]
+    serves(sim)
+
+
+def test_an_unknown_outcome_from_a_rank_is_malformed_never_a_pass() -> None:
+    sim = warm_sim()
+    sim.client()
+    task = sim.submit(pool_spec=spec(1))
+    assert sim.running("g1") == task
+    frame = protocol.encode(
+        protocol.RankDone(task_id=task, result=RankResult(rank=0, outcome="passed"))
+    ).replace(b"passed", b"passes")
+    before = sim.broker.totals.malformed
+    sim.broker.on_rank_frames([sim.rank_id("g1", 0), frame])
+    assert sim.broker.totals.malformed == before + 1
+    assert sim.done() == {}  # no verdict from it; the deadline will say error
 
 
 @pytest.mark.parametrize("wrong_socket", ["rank", "client"])

@@ -60,8 +60,8 @@ def test_physical_gpu():
 def session(project: Path, env: dict[str, str], *args: str) -> tuple[dict[str, str], float]:
     """One pytest session: ({test: outcome}, wall seconds)."""
     started = time.monotonic()
-    # -p cpq.plugin: on the GPU host cpq is on PYTHONPATH, not installed (no entry point)
-    plugin = [] if _installed() else ["-p", "cpq.plugin"]
+    # -p cpq.client.plugin: on the GPU host cpq is on PYTHONPATH, not installed (no entry point)
+    plugin = [] if _installed() else ["-p", "cpq.client.plugin"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *plugin, *args],
         cwd=project,
@@ -100,7 +100,7 @@ def main() -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CPQ_", "MYPROJ_"))}
     base.update(CPQ_STATE_DIR=str(state), CPQ_ENDPOINT=f"ipc://{state / 'broker.sock'}")
     broker = subprocess.Popen(
-        [sys.executable, "-m", "cpq.cli", "broker", "--gpus", "0,1", "--idle-exit", "120"],
+        [sys.executable, "-m", "cpq.broker", "--gpus", "0,1", "--idle-exit", "120"],
         env={**base, "MYPROJ_BROKER_ONLY": "1"},
         stdout=(state / "broker.out").open("w"),
         stderr=subprocess.STDOUT,
@@ -168,7 +168,7 @@ def main() -> int:
                 "physical",
             )
         status = subprocess.run(
-            [sys.executable, "-m", "cpq.cli", "status", "--json"],
+            [sys.executable, "-m", "cpq", "status", "--json"],
             env=base,
             capture_output=True,
             text=True,
@@ -177,7 +177,7 @@ def main() -> int:
         pools = json.loads(status.stdout)["pools"]
         totals = json.loads(status.stdout)["totals"]
     finally:
-        subprocess.run([sys.executable, "-m", "cpq.cli", "stop"], env=base, timeout=60)
+        subprocess.run([sys.executable, "-m", "cpq", "stop"], env=base, timeout=60)
         broker.wait(timeout=60)
 
     print(f"\ncpq fidelity on GPUs ({'all as expected' if ok else 'UNEXPECTED VERDICTS'})")

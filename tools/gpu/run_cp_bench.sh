@@ -39,7 +39,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "gpus", torch.cuda.device_count(), "nccl", nccl)
 print("pyzmq", zmq.__version__, "msgpack", msgpack.version, "psutil", psutil.__version__,
       "pytest", pytest.__version__, "xdist", xdist.__version__)
-import cpq, cpq.plugin  # noqa: E401 - from the repo, through PYTHONPATH
+import cpq, cpq.client.plugin  # noqa: E401 - from the repo, through PYTHONPATH
 print("cpq", cpq.__file__)
 EOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "run_cp_bench: environment check failed"; exit 1; }

@@ -144,7 +144,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     count = int(os.environ.get("TE_ANCHOR_WARM", "1"))
     if count <= 0:
         return
-    from cpq.client import make_spec
+    from cpq.specs import make_spec
 
     spec = make_spec(int(os.environ.get("TE_ANCHOR_WS", "2")), _group_env())
     _get_client().warm([spec], [count])

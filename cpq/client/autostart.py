@@ -21,7 +21,7 @@ from pathlib import Path
 from cpq import __version__, lockfile, paths
 from cpq.lockfile import code_fingerprint
 
-log = logging.getLogger("cpq.autostart")
+log = logging.getLogger("cpq.client.autostart")
 
 DEFAULT_IDLE_EXIT_S = 600.0
 
@@ -64,7 +64,7 @@ def replace_if_stale(endpoint: str, wait_s: float = 30.0) -> bool:
     is gone. A broker started by hand, or one with clients or tasks, is left alone with a
     warning: stopping it would take warm groups or verdicts from someone else.
     """
-    from cpq.client import BrokerUnavailable, Client
+    from cpq.client.api import BrokerUnavailable, Client
 
     try:
         with Client(endpoint, name=_CHECKER, connect_timeout_s=10) as client:
@@ -124,7 +124,7 @@ def spawn_broker(
     detach: bool = False,
     timeout_s: float = 30.0,
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m cpq.cli broker --endpoint ENDPOINT *ARGS`` and wait until it serves.
+    """Start ``python -m cpq.broker --endpoint ENDPOINT *ARGS`` and wait until it serves.
 
     "Serves" is :func:`broker_alive`: the broker holds the endpoint's lock, which it takes
     just before binding; a client connecting in between is held by ZeroMQ until the bind,
@@ -132,7 +132,7 @@ def spawn_broker(
     puts it in a session of its own (the autostarted broker outlives the pytest session
     that started it). The one way cpq, its tests and its tools start a broker process.
     """
-    command = [sys.executable, "-m", "cpq.cli", "broker", "--endpoint", endpoint, *args]
+    command = [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint, *args]
     with open(log_path, "ab") as log_file:  # the child keeps its own copy of the fd
         process = subprocess.Popen(
             command,

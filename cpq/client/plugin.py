@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
+from cpq.client.report import CpqTaskFailed, RanksRepr, report_result, travelling_args
 from cpq.fanout import plugin as fanout
 from cpq.protocol import PoolSpec, TaskResult
-from cpq.pytest_report import CpqTaskFailed, RanksRepr, report_result, travelling_args
 
 SESSION_KEY = pytest.StashKey["CpqSession"]()
 #: How a draining broker answers a submit (``cpq.broker.tasks``).
@@ -68,7 +68,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = CpqSession(config)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(config), "cpq-xdist")
-    fanout.register(config)  # CI fan-out: shards, results, durations (cpq.fanout)
+    session = config.stash[SESSION_KEY]
+    # CI fan-out: shards, results, durations (cpq.fanout)
+    fanout.register(config, groups_started=lambda: len(session.stats.groups))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -148,13 +150,13 @@ class CpqSession:
         The xdist controller never submits, so it has no client: it connects only when a
         broker is known to run, and never autostarts one just to print a summary.
         """
-        from cpq.autostart import broker_alive
+        from cpq.client.autostart import broker_alive
 
         if self._client is None:
             endpoint = self.resolved_endpoint()
             if endpoint.startswith("ipc://") and not broker_alive(endpoint):
                 return None
-            from cpq.client import Client
+            from cpq.client.api import Client
 
             self._client = Client(endpoint, name="pytest", connect_timeout_s=timeout_s)
         status: dict[str, Any] = self._client.status(timeout_s=timeout_s)
@@ -166,8 +168,8 @@ class CpqSession:
     @property
     def client(self) -> Any:
         if self._client is None:
-            from cpq.autostart import ensure_broker
-            from cpq.client import Client
+            from cpq.client.api import Client
+            from cpq.client.autostart import ensure_broker
 
             endpoint = self.resolved_endpoint()
             if self.autostart and endpoint.startswith("ipc://"):
@@ -217,7 +219,7 @@ class CpqSession:
             self.warmed[spec] = max(count, self.warmed.get(spec, 0))
 
     def spec(self, world_size: int, env: dict[str, str] | None) -> PoolSpec:
-        from cpq.client import make_spec
+        from cpq.specs import make_spec
 
         return make_spec(world_size, env, self.roots())
 
@@ -231,7 +233,7 @@ class CpqSession:
         test_id: str,
         affinity: str = "",
     ) -> TaskResult:
-        from cpq.client import BrokerUnavailable
+        from cpq.client.api import BrokerUnavailable
 
         if not self.broker_gone:
             try:
@@ -320,7 +322,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _broker_running(cpq_session: CpqSession) -> bool:
-    from cpq.autostart import broker_alive
+    from cpq.client.autostart import broker_alive
 
     endpoint = cpq_session.resolved_endpoint()
     return not endpoint.startswith("ipc://") or broker_alive(endpoint)
@@ -430,7 +432,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     from cpq import __version__
-    from cpq.autostart import broker_alive, code_fingerprint
+    from cpq.client.autostart import broker_alive, code_fingerprint
 
     session = config.stash[SESSION_KEY]
     try:
