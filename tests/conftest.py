@@ -46,6 +46,14 @@ def start_broker(state_dir: Path, *args: str) -> tuple[subprocess.Popen[bytes], 
 _shared: dict[str, object] = {}
 
 
+def _unit_tier_only(config: pytest.Config) -> bool:
+    """True when every path pytest was given lies in tests/unit."""
+    unit = ROOT / "tests" / "unit"
+    here = config.invocation_params.dir
+    given = [(here / arg.split("::")[0]).resolve() for arg in config.args]
+    return bool(given) and all(p == unit or unit in p.parents for p in given)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Start the shared broker before the session starts.
 
@@ -55,6 +63,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if hasattr(config, "workerinput"):
         return  # an xdist worker of this suite: the controller's broker is in os.environ
+    if _unit_tier_only(config):
+        return  # tests/unit runs without processes or sockets (tests/unit/conftest.py)
     state = Path(tempfile.mkdtemp(prefix="cpq-test-state-"))
     state.chmod(0o700)
     process, endpoint = start_broker(

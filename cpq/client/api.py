@@ -119,6 +119,18 @@ class Client:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._failure: BrokerUnavailable | None = None
+        #: Frames from the broker that were junk (see :meth:`_on_frame`).
+        self.malformed = 0
+        #: The kinds a broker sends a client, each to its handler (docs/design.md "Wire").
+        self._handlers: dict[type[protocol.Message], Callable[[Any], None]] = {
+            protocol.Done: self._on_done,
+            protocol.Waiting: self._on_waiting,
+            protocol.Closing: self._on_closing,
+            protocol.Welcome: self._on_reply,
+            protocol.StatusReply: self._on_reply,
+            protocol.ErrorReply: self._on_error,
+            protocol.Heartbeat: lambda message: None,  # its arrival is the point
+        }
         try:
             self._socket = SharedSocket(
                 self._context,
@@ -352,36 +364,52 @@ class Client:
                 )
             )
 
-    def _on_frame(self, frame: bytes) -> None:
+    def _on_frame(self, frame: bytes) -> bool:
+        """Handle one frame from the broker by its kind's handler; False for junk (a frame
+        that does not decode, or a kind no broker sends a client), which is counted in
+        ``malformed`` and logged, and is no sign of a live broker."""
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
+            self.malformed += 1
             log.error("malformed message from the broker: %s", exc)
-            return
-        if isinstance(message, protocol.Done):
-            future = self._tasks.pop(message.result.task_id, None)
-            if future is not None:
-                future.set_result(message.result)
-        elif isinstance(message, protocol.Waiting):
-            with self._lock:
-                if message.task_id in self._tasks:
-                    self._waiting.setdefault(message.task_id, []).append(message.message)
-        elif isinstance(message, protocol.Closing):
-            self._fail_all(
-                BrokerUnavailable(f"the cpq broker stopped ({message.reason}) at {self.endpoint}")
-            )
-        elif isinstance(message, (protocol.Welcome, protocol.StatusReply)):
-            if self._control:
-                self._control.popleft().set_result(message)
-        elif isinstance(message, protocol.ErrorReply):
-            with self._lock:
-                self._env_sent = None  # a refused submit may not have set the broker's copy
-            future = self._tasks.pop(message.task_id, None) if message.task_id else None
-            target = future or (self._control.popleft() if self._control else None)
-            if target is not None:
-                target.set_exception(BadRequest(message.message))
-            else:
-                log.error("broker error: %s", message.message)
+            return False
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.malformed += 1
+            log.error("dropping %r from the broker: not a message for a client", message.KIND)
+            return False
+        handler(message)
+        return True
+
+    def _on_done(self, message: protocol.Done) -> None:
+        future = self._tasks.pop(message.result.task_id, None)
+        if future is not None:
+            future.set_result(message.result)
+
+    def _on_waiting(self, message: protocol.Waiting) -> None:
+        with self._lock:
+            if message.task_id in self._tasks:
+                self._waiting.setdefault(message.task_id, []).append(message.message)
+
+    def _on_closing(self, message: protocol.Closing) -> None:
+        self._fail_all(
+            BrokerUnavailable(f"the cpq broker stopped ({message.reason}) at {self.endpoint}")
+        )
+
+    def _on_reply(self, message: protocol.Welcome | protocol.StatusReply) -> None:
+        if self._control:
+            self._control.popleft().set_result(message)
+
+    def _on_error(self, message: protocol.ErrorReply) -> None:
+        with self._lock:
+            self._env_sent = None  # a refused submit may not have set the broker's copy
+        future = self._tasks.pop(message.task_id, None) if message.task_id else None
+        target = future or (self._control.popleft() if self._control else None)
+        if target is not None:
+            target.set_exception(BadRequest(message.message))
+        else:
+            log.error("broker error: %s", message.message)
 
     def _fail_all(self, error: BrokerUnavailable) -> None:
         with self._lock:

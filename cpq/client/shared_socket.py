@@ -42,7 +42,7 @@ class SharedSocket:
         self,
         context: zmq.Context[Any],
         endpoint: str,
-        on_frame: Callable[[bytes], None],
+        on_frame: Callable[[bytes], bool],
         on_silence: Callable[[float], None],
         heartbeat_s: float,
         liveness: int,
@@ -140,8 +140,8 @@ class SharedSocket:
         self.flush()
         now = time.monotonic()
         while int(self.dealer.getsockopt(_EVENTS)) & _POLLIN:
-            self.last_heard = now
-            self.on_frame(self.dealer.recv())
+            if self.on_frame(self.dealer.recv()):  # junk is no sign of a live broker
+                self.last_heard = now
         if now - self.last_sent >= self.heartbeat_s:
             with contextlib.suppress(zmq.Again):  # no broker connected, no heartbeat
                 self.dealer.send(self._heartbeat, zmq.NOBLOCK)

@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,16 @@ class Link:
         self.busy = True  # the main thread starts busy: init, preloads
         self.last_heard = self.last_sent = time.monotonic()
         self._heartbeat = protocol.encode(protocol.Heartbeat())
+        #: Frames from the broker that were junk (see :meth:`_on_broker_frame`).
+        self.malformed = 0
+        #: The kinds a broker sends a rank, each to its handler (docs/design.md "Wire").
+        self._handlers: dict[type[protocol.Message], Callable[[Any], None]] = {
+            protocol.RunTask: self._on_run_task,
+            protocol.CancelTask: self._on_cancel,
+            protocol.DumpStacks: self._on_dump_stacks,
+            protocol.Shutdown: self._on_shutdown,
+            protocol.Heartbeat: lambda message: None,  # its arrival is the point
+        }
 
     # ---- the main thread's side
 
@@ -144,9 +155,9 @@ class Link:
                 except BlockingIOError:
                     break
         if self.dealer in events:
-            self.last_heard = now
             while self.dealer.poll(0):
-                self._on_broker_frame(self.dealer.recv())
+                if self._on_broker_frame(self.dealer.recv()):  # junk is no sign of life
+                    self.last_heard = now
         if now - self.last_sent >= self.config.heartbeat_s:
             self.send(self._heartbeat)
         # Before calling the broker lost, look for frames that arrived while this thread
@@ -157,25 +168,39 @@ class Link:
             hard_exit(EXIT_BROKER_LOST)
         return woken
 
-    def _on_broker_frame(self, frame: bytes) -> None:
+    def _on_broker_frame(self, frame: bytes) -> bool:
+        """Handle one frame by its kind's handler; False for junk (a frame that does not
+        decode, or a kind the broker never sends a rank), which is counted and logged."""
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
+            self.malformed += 1
             log.error("dropping a malformed frame from the broker: %s", exc)
-            return
-        if isinstance(message, protocol.RunTask):
-            self.tasks.append(message)
-        elif isinstance(message, protocol.CancelTask):
-            cancel.request(message.task_id, self.main_thread_id)
-        elif isinstance(message, protocol.DumpStacks):
-            stacks = protocol.RankStacks(
-                task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
-            )
-            self.send(protocol.encode(stacks))
-        elif isinstance(message, protocol.Shutdown):
-            self.shutting_down = True
-            if self.busy:  # a main thread stuck in a collective never looks: leave anyway
-                threading.Timer(self.config.heartbeat_s * 2, hard_exit, args=(0,)).start()
+            return False
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.malformed += 1
+            log.error("dropping %r from the broker: not a message for a rank", message.KIND)
+            return False
+        handler(message)
+        return True
+
+    def _on_run_task(self, message: protocol.RunTask) -> None:
+        self.tasks.append(message)
+
+    def _on_cancel(self, message: protocol.CancelTask) -> None:
+        cancel.request(message.task_id, self.main_thread_id)
+
+    def _on_dump_stacks(self, message: protocol.DumpStacks) -> None:
+        stacks = protocol.RankStacks(
+            task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
+        )
+        self.send(protocol.encode(stacks))
+
+    def _on_shutdown(self, message: protocol.Shutdown) -> None:
+        self.shutting_down = True
+        if self.busy:  # a main thread stuck in a collective never looks: leave anyway
+            threading.Timer(self.config.heartbeat_s * 2, hard_exit, args=(0,)).start()
 
     def main_stack(self) -> str:
         """Where the main thread is in the user's code: the frames below cpq's own (the

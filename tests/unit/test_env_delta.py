@@ -4,15 +4,9 @@ ranks got the same ones last; peers that cannot read it always get them whole.""
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
 from typing import Any
 
-import pytest
-import zmq
-
 from cpq import protocol
-from cpq.client import Client
 from tests.unit.fakes import Sim, spec
 
 FEATURES = sorted(protocol.ALL_FEATURES)
@@ -92,50 +86,3 @@ def test_ranks_of_an_older_cpq_get_the_variables_whole_and_no_field_they_cannot_
         protocol.unpack(f) for _, f in sim.wire.raw_to_ranks if protocol.unpack(f)["k"] == "run"
     ]
     assert frames and all("env_same" not in wire for wire in frames)
-
-
-@pytest.mark.parametrize("broker_reads_env_delta", [True, False])
-def test_a_client_says_env_same_only_to_a_broker_that_reads_it(
-    tmp_path: Path, broker_reads_env_delta: bool
-) -> None:
-    """A real client against a scripted broker socket: with the feature, an unchanged set
-    of variables travels once; without it (an older broker), whole with every submit."""
-    features = [f for f in FEATURES if broker_reads_env_delta or f != "env-delta"]
-    endpoint = f"ipc://{tmp_path / 'b.sock'}"
-    context: zmq.Context[Any] = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
-    submits: list[protocol.Submit] = []
-
-    def broker() -> None:
-        while len(submits) < 3:
-            if not router.poll(10_000):
-                return
-            identity, frame = router.recv_multipart()
-            message = protocol.decode(frame)
-            if isinstance(message, protocol.Hello):
-                welcome = protocol.Welcome(broker={"features": features, "heartbeat_s": 1.0})
-                router.send_multipart([identity, protocol.encode(welcome)])
-            elif isinstance(message, protocol.Submit):
-                submits.append(message)
-                done = protocol.Done(protocol.TaskResult(task_id=message.task_id, outcome="passed"))
-                router.send_multipart([identity, protocol.encode(done)])
-
-    thread = threading.Thread(target=broker, daemon=True)
-    thread.start()
-    try:
-        with Client(endpoint, name="env-delta") as client:
-            for _ in range(3):
-                assert client.submit("m:f", 1, roots=["/p"]).outcome == "passed"
-        thread.join(timeout=10)
-    finally:
-        router.close(0)
-        context.term()
-    assert len(submits) == 3
-    sent = [(s.env is not None, s.env_same) for s in submits]
-    if broker_reads_env_delta:
-        assert sent == [(True, False), (False, True), (False, True)]
-    else:
-        assert sent == [(True, False)] * 3
-        assert submits[0].env == submits[2].env
