@@ -2,7 +2,8 @@
 
 The one owner of the file's format. The broker takes the lock (an exclusive ``flock`` held
 for its whole life) and writes two lines into the file, its pid and its
-:func:`code_fingerprint`; clients (``cpq.client.autostart``) test the lock without a message and
+:func:`code_fingerprint`, then a third, ``serving``, once both its sockets are bound
+(:func:`mark_serving`); clients (``cpq.client.autostart``) test the lock without a message and
 read the second line to tell a broker of older code from one running this code. A file
 with fewer lines (a broker older than this format) counts as this code. See
 ``docs/design.md``, "Processes and sockets".
@@ -65,6 +66,26 @@ def acquire(endpoint: str) -> IO[str]:
     handle.write(f"{os.getpid()}\n{code_fingerprint()}\n")
     handle.flush()
     return handle
+
+
+SERVING = "serving"
+
+
+def mark_serving(handle: IO[str]) -> None:
+    """Say in the lock file that the broker's sockets are bound: a client may connect now."""
+    handle.write(f"{SERVING}\n")
+    handle.flush()
+
+
+def serving(endpoint: str) -> bool:
+    """True once the lock's holder has bound its sockets (:func:`mark_serving`)."""
+    if not held(endpoint):
+        return False
+    try:
+        lines = paths.lock_path(endpoint).read_text().split()
+    except OSError:
+        return False
+    return len(lines) >= 3 and lines[2] == SERVING
 
 
 def held(endpoint: str) -> bool:

@@ -117,3 +117,20 @@ def test_session_header_says_the_broker_runs_other_code(
         result.stdout.fnmatch_lines(["cpq: that broker runs other cpq code *`cpq stop` it*"])
     finally:
         stop_broker(old)
+
+
+def test_a_broker_serves_the_moment_spawn_broker_returns(tmp_path: Path) -> None:
+    """No window between "started" and "serving": the socket file exists and a status
+    request is answered at once (the lock alone was taken before the bind, and a test that
+    looked at the socket right away failed 2 times in 3)."""
+    from conftest import start_broker
+
+    for attempt in range(3):
+        state = tmp_path / f"state{attempt}"
+        process, endpoint = start_broker(state, "--max-ranks", "1", "--spares", "0")
+        try:
+            assert os.path.exists(endpoint[len("ipc://") :])  # bound, not merely locked
+            with Client(endpoint, name="first", connect_timeout_s=2) as client:
+                assert client.status()["broker"]["pid"] == process.pid
+        finally:
+            stop_broker(process)

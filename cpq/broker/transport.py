@@ -67,6 +67,7 @@ class Transport:
         self.backend = self._router(self.backend_endpoint)
         self._poller.register(self.frontend, zmq.POLLIN)
         self._poller.register(self.backend, zmq.POLLIN)
+        lockfile.mark_serving(self._lock_file)  # spawn_broker returns on this line
         log.info(
             "cpq-broker %s pid %d serving %s (GPUs: %s, max CPU ranks: %d)",
             __version__,

@@ -126,9 +126,9 @@ def spawn_broker(
 ) -> subprocess.Popen[bytes]:
     """Start ``python -m cpq.broker --endpoint ENDPOINT *ARGS`` and wait until it serves.
 
-    "Serves" is :func:`broker_alive`: the broker holds the endpoint's lock, which it takes
-    just before binding; a client connecting in between is held by ZeroMQ until the bind,
-    so from then on a client gets answers. ``detach``
+    "Serves" is :func:`cpq.lockfile.serving`: the broker holds the endpoint's lock and has
+    bound both sockets (it says so in the lock file after the bind), so the endpoint's
+    socket file exists and a client gets answers from the moment this returns. ``detach``
     puts it in a session of its own (the autostarted broker outlives the pytest session
     that started it). The one way cpq, its tests and its tools start a broker process.
     """
@@ -144,7 +144,7 @@ def spawn_broker(
             cwd=cwd,
         )
     deadline = time.monotonic() + timeout_s
-    while not broker_alive(endpoint):
+    while not lockfile.serving(endpoint):
         if process.poll() is not None:
             raise BrokerStartError(
                 f"the broker exited with status {process.returncode}:\n{_tail(log_path)}"
