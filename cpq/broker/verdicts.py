@@ -192,6 +192,4 @@ def verdict(results: list[RankResult], world_size: int) -> tuple[protocol.Outcom
             f"rank(s) {skipped} skipped while the others ran; a skip must be taken on every "
             "rank (call pytest.skip before any rank-dependent branch)"
         )
-    if outcomes == {"passed"}:
-        return "passed", ""
-    return "error", f"no verdict for the rank outcomes {sorted(outcomes)}"  # not reached
+    return "passed", ""  # every rank reported once, and each of them "passed"
