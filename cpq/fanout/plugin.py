@@ -15,7 +15,7 @@ as tests finish, at most every :data:`FLUSH_EVERY_S` (one atomic rename per batc
 test), so a shard cancelled mid-run still names what it ran.
 
 Spawn costs are measured, not inferred: each verdict carries the seconds its task waited
-for a group to start (the broker measures it, ``TaskResult.spawn_wait_s``); ``cpq.plugin``
+for a group to start (the broker measures it, ``TaskResult.spawn_wait_s``); ``cpq.client.plugin``
 hands it on with the test's report as the :data:`SPAWN_WAIT_PROPERTY` user property.
 """
 
@@ -337,7 +337,7 @@ class FanoutXdistController:
 
 def deselects(config: pytest.Config) -> bool:
     """Whether this session is a shard (collected tests may not run here): the collection
-    warm-up of ``cpq.plugin`` then waits for the share, so it starts no group for tests
+    warm-up of ``cpq.client.plugin`` then waits for the share, so it starts no group for tests
     another shard keeps."""
     plugin = config.pluginmanager.get_plugin("cpq-fanout")
     return isinstance(plugin, FanoutPlugin) and plugin.deselects()

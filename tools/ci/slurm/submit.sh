@@ -1,8 +1,8 @@
 #!/bin/bash
 # Submit N shards of a suite and the merge job that waits for them:
 #   CPQ_RESULTS=/shared/ci/results tools/ci/slurm/submit.sh 4 tests/ [pytest args...]
-# Rerun one shard of the run whose results are in $CPQ_RESULTS (same N and pytest args),
-# then merge again; the run id is read from the results (or give CPQ_RUN_ID):
+# Rerun one shard of the newest run whose results are in $CPQ_RESULTS (same N and pytest
+# args) into that run, then merge again (give CPQ_RUN_ID to pick another run):
 #   CPQ_RESULTS=/shared/ci/results tools/ci/slurm/submit.sh --shard 2 4 tests/ [pytest args...]
 # Prints the jobs' ids and the run id; the merge job's exit status is the verdict
 # (see cpq-merge.sbatch), `sbatch --wait` or squeue tells when it is there.
@@ -31,10 +31,14 @@ else
     run_id=${CPQ_RUN_ID:-$("${CPQ_PYTHON:-python}" - "$CPQ_RESULTS" "$shards" <<'PY'
 import json, pathlib, sys
 found = pathlib.Path(sys.argv[1]).glob(f"shard-*-of-{sys.argv[2]}.json")
-runs = sorted({json.loads(p.read_text()).get("run_id", "") for p in found})
-if len(runs) != 1 or not runs[0]:
-    sys.exit(f"submit.sh: runs in {sys.argv[1]}: {runs or 'none'}; set CPQ_RUN_ID")
-print(runs[0])
+runs = {}
+for path in found:
+    data = json.loads(path.read_text())
+    run = data.get("run_id", "")
+    runs[run] = max(runs.get(run, 0.0), float(data.get("started_at", 0.0)))
+if not runs:
+    sys.exit(f"submit.sh: no results of {sys.argv[2]} shards in {sys.argv[1]}; set CPQ_RUN_ID")
+print(max(runs, key=runs.get))  # the newest run: a cancelled shard may have left an older
 PY
 )}
     array=$(CPQ_SHARD="$rerun/$shards" CPQ_RUN_ID="$run_id" \
