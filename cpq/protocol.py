@@ -154,6 +154,10 @@ class TaskResult:
     deadline_s: float = 0.0
     #: Every group an attempt ran on (a retried task ran on two), for session summaries.
     groups: list[str] = field(default_factory=list)
+    #: Seconds the task's last attempt waited for its group to start, measured by the broker
+    #: (feature ``spawn-wait``): the group's ready time minus the attempt's queue time, 0
+    #: when a warm group took it; None when no group ran it or the broker did not measure.
+    spawn_wait_s: float | None = None
 
     @property
     def value(self) -> Any:
@@ -525,6 +529,7 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "result-groups": {"done": ("result.groups",)},
     "task-affinity": {"submit": ("affinity",)},
     "env-delta": {"submit": ("env_same",), "run": ("env_same",), "rank_ready": ("features",)},
+    "spawn-wait": {"done": ("result.spawn_wait_s",)},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

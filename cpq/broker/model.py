@@ -114,6 +114,9 @@ class Task:
     waiting_said_at: float = 0.0
     pg_seqs: dict[int, int] = field(default_factory=dict)  # rank -> collectives done
     stale_bounces: int = 0  # fresh groups that found the task's code changed
+    #: Seconds the attempt that ran waited for its group to start (see
+    #: :meth:`cpq.broker.tasks.Tasks.start`); None until a group takes it.
+    spawn_wait_s: float | None = None
     #: Attempt 1's infra failure: (reason, detail), shown once in the verdict.
     first_failure: tuple[str, str] = ("", "")
 

@@ -139,8 +139,15 @@ class Tasks:
 
     def start(self, task: Task, group: Group) -> str:
         """Send ``task`` to every rank of ``group`` (already assigned to it); "" when sent,
-        else why a rank could not be reached (the group has failed)."""
+        else why a rank could not be reached (the group has failed).
+
+        Also measures the attempt's spawn wait: a group that became ready after the attempt
+        was queued is one the task waited for (started for it, by a warm-up or as a spare:
+        groups of one spec are interchangeable), so the seconds from the queueing to that
+        readiness are the spawn wait; a group already ready when it was queued costs 0.
+        """
         now = self.clock.monotonic()
+        task.spawn_wait_s = max(0.0, group.ready_at - task.queued_at)
         task.group = group
         task.last_group_id = group.id
         task.started_at = now

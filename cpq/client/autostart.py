@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import shlex
 import subprocess
 import sys
 import time
@@ -36,6 +38,10 @@ def ensure_broker(
 ) -> bool:
     """Start a broker for ``endpoint`` unless one runs; True if this call started it.
 
+    ``CPQ_BROKER_ARGS`` (shell words) are added to the broker's command line: a CI
+    template has no other way to give the broker a session autostarts its options
+    (``--max-ranks 4``); a broker that already runs keeps its own.
+
     A running background broker of other cpq code is replaced when nothing uses it (see
     :func:`replace_if_stale`), so an upgrade takes effect at the next test session instead
     of after the old broker's idle exit.
@@ -50,12 +56,23 @@ def ensure_broker(
         log_dir = paths.ensure_private_dir(state / "logs")
         spawn_broker(
             endpoint,
-            ["--idle-exit", str(idle_exit_s), *(extra_args or [])],
+            ["--idle-exit", str(idle_exit_s), *broker_args_from_env(), *(extra_args or [])],
             log_path=log_dir / "broker-autostart.log",
             cwd="/",
             detach=True,
         )
         return True
+
+
+BROKER_ARGS_VAR = "CPQ_BROKER_ARGS"
+
+
+def broker_args_from_env() -> list[str]:
+    """The broker options in ``CPQ_BROKER_ARGS``; a clear error for unbalanced quotes."""
+    try:
+        return shlex.split(os.environ.get(BROKER_ARGS_VAR, ""))
+    except ValueError as exc:
+        raise ValueError(f"{BROKER_ARGS_VAR}: {exc}") from None
 
 
 def replace_if_stale(endpoint: str, wait_s: float = 30.0) -> bool:

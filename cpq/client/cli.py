@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cpq import paths
-from cpq.fanout.cli import add_merge_arguments, run_merge
+from cpq.fanout.cli import add_merge_arguments, guarded
 from cpq.timings import TIMINGS_FILE
 
 EXIT_CODES = {"passed": 0, "failed": 1, "error": 2, "skipped": 3}
@@ -303,10 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--force", action="store_true", help="replace keys that already exist")
     keys.set_defaults(run=_run_keys)
     merge = commands.add_parser(
-        "merge", help="check and combine CI fan-out shard results (exit 0/1/2, 4 bad input)"
+        "merge",
+        help="check and combine CI fan-out shard results (exit 0/1/2, 3 internal, 4 bad input)",
     )
     add_merge_arguments(merge)
-    merge.set_defaults(run=run_merge)
+    merge.set_defaults(run=guarded)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

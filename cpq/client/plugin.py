@@ -88,12 +88,15 @@ class Stats:
     retries: int = 0
     errors: int = 0
     groups: set[str] = field(default_factory=set)
+    #: Seconds tasks waited for groups to start, as the broker measured them.
+    spawn_wait_s: float = 0.0
 
     def record(self, result: TaskResult) -> None:
         self.tasks += 1
         self.retries += result.attempts - 1
         self.errors += result.outcome == "error"
         self.groups.update(result.groups or ([result.group_id] if result.group_id else []))
+        self.spawn_wait_s += result.spawn_wait_s or 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -101,6 +104,7 @@ class Stats:
             "retries": self.retries,
             "errors": self.errors,
             "groups": sorted(self.groups),
+            "spawn_wait_s": self.spawn_wait_s,
         }
 
     def merge(self, data: dict[str, Any]) -> None:
@@ -108,6 +112,7 @@ class Stats:
         self.retries += data["retries"]
         self.errors += data["errors"]
         self.groups.update(data["groups"])
+        self.spawn_wait_s += float(data.get("spawn_wait_s", 0.0))
 
 
 class CpqSession:
@@ -143,6 +148,8 @@ class CpqSession:
         #: Why the broker is gone, once it is: every later cpq test fails with this one line
         #: instead of a client traceback (a new broker is not started behind the user's back).
         self.broker_gone: str = ""
+        #: Per test id, the spawn waits its tasks' verdicts carried (reported with the test).
+        self.spawn_waits: dict[str, float] = {}
 
     def status_if_connected(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The broker's status for reports, without starting (or waiting long for) a broker.
@@ -252,6 +259,9 @@ class CpqSession:
                 self.broker_gone = f"cpq: {exc}"
             else:
                 self.stats.record(result)
+                if result.spawn_wait_s is not None:  # None: a broker that did not measure it
+                    waits = self.spawn_waits
+                    waits[test_id] = waits.get(test_id, 0.0) + result.spawn_wait_s
                 if result.outcome == "error" and result.message.startswith(DRAINING):
                     self.broker_gone = "cpq: the broker is draining (cpq drain): no new tests"
                 else:
@@ -296,8 +306,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]
-    if session.config.option.collectonly:
-        return  # nothing will run: start nothing
+    if session.config.option.collectonly or fanout.deselects(session.config):
+        return  # nothing will run, or a shard: the last run's groups may be another share's
     if cache is None or (not cpq_session.autostart and not _broker_running(cpq_session)):
         return
     recorded = cache.get(WARM_CACHE_KEY, None)
@@ -394,11 +404,12 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 def _may_deselect(config: pytest.Config) -> bool:
     """Whether options may drop collected tests (``-k``, ``-m``, ``--deselect``, ``--lf``,
-    ``--sw``): a test collected is then not yet a test that runs, and warming its group
-    could start a broker and take GPUs for nothing."""
+    ``--sw``, a CI fan-out shard): a test collected is then not yet a test that runs, and
+    warming its group could start a broker and take GPUs for nothing."""
     option = config.option
     return bool(
-        getattr(option, "keyword", "")
+        fanout.deselects(config)
+        or getattr(option, "keyword", "")
         or getattr(option, "markexpr", "")
         or getattr(option, "deselect", None)
         or getattr(option, "lf", False)
@@ -496,6 +507,9 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, Any]:
     report = yield
+    waited = item.config.stash[SESSION_KEY].spawn_waits.pop(item.nodeid, None)
+    if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
+        report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
     if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
         report.longrepr = RanksRepr(call.excinfo.value.longrepr(), str(item.path))
     return report
@@ -571,15 +585,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     retries = f"{stats.retries} retr{'y' if stats.retries == 1 else 'ies'}"
     line = f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {retries}"
-    try:
-        status = session.status_if_connected()
-        totals = status["totals"] if status else {"groups_started": 0}
-        if totals["groups_started"]:
-            spawn = totals["group_start_s"] / totals["groups_started"]
-            saved = max(0, stats.tasks - len(stats.groups)) * spawn
-            line += f"; warm groups saved ~{saved:.0f}s of spawns ({spawn:.1f}s each)"
-    except Exception:  # the summary must never fail a run
-        pass
+    line += f"; {stats.spawn_wait_s:.1f}s waiting for groups to start (measured by the broker)"
     terminalreporter.write_sep("-", line)
 
 

@@ -1,10 +1,14 @@
-"""``cpq merge [--junit OUT.xml] [--durations OUT.json] DIR_OR_FILE...``.
+"""``cpq merge [--junit OUT.xml] [--durations OUT.json] [--run-id ID] DIR_OR_FILE...``.
 
 Kept apart from ``cpq.client.cli`` so the merge (a CI step on a machine that may have no broker,
 no GPU and no torch) imports nothing but the standard library and this package.
 Bad input (an unreadable or malformed manifest, a durations file that is not an object of
 seconds) is exit 4 like every other cpq usage error, and is detected before anything is
-written, so a failed merge never replaces a good durations file.
+written, so a failed merge never replaces a good durations file. An incomplete run (exit 2)
+writes nothing either: its durations would teach the next partition from part of a suite,
+and a merged JUnit file of part of a suite reads as a green run to a CI that shows it.
+An error of the merge itself (a bug, not the input) is exit 3, so that no CI reads it as
+"a test failed" (1).
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from cpq.fanout import durations, junit, manifest
-from cpq.fanout.merge import merge, render
+from cpq.fanout.merge import EXIT_INCOMPLETE, merge, render
 
 EXIT_USAGE = 4
+EXIT_INTERNAL = 3
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +41,12 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         help="update this durations file (test id -> seconds) with the merged run's walls",
     )
     parser.add_argument("--top", type=int, default=10, help="how many slowest tests to list")
+    parser.add_argument(
+        "--run-id",
+        default=None,
+        help="merge only this run's results (CPQ_RUN_ID of the shards); results of other "
+        "runs are listed and ignored. Without it, results of several runs are exit 2",
+    )
 
 
 def run_merge(args: argparse.Namespace) -> int:
@@ -46,8 +58,11 @@ def run_merge(args: argparse.Namespace) -> int:
     except (manifest.ManifestError, durations.DurationsError) as exc:
         print(f"cpq merge: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report = merge(manifests)
+    report = merge(manifests, run_id=args.run_id)
     print(render(report, top=args.top))
+    if report.exit_code == EXIT_INCOMPLETE:
+        print("nothing written: the run is incomplete (exit 2)")
+        return EXIT_INCOMPLETE
     try:
         if args.junit is not None:
             junit.write(args.junit, report.manifests)
@@ -69,4 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
-    return run_merge(args)
+    return guarded(args)
+
+
+def guarded(args: argparse.Namespace) -> int:
+    """:func:`run_merge`, with an unexpected exception as exit 3 and its traceback shown."""
+    try:
+        return run_merge(args)
+    except Exception:
+        traceback.print_exc()
+        print("cpq merge: internal error (exit 3): no verdict", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

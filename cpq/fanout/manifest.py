@@ -2,14 +2,18 @@
 
 Why a manifest beside the JUnit file: JUnit says what ran, not what should have. The
 exactly-once check of ``cpq merge`` needs each shard's collected ids (to see a test no shard
-kept), its selected ids (to see a shard that died part-way) and two hashes (to see shards
+kept), its selected ids (to see a shard that died part-way), two hashes (to see shards
 that collected different suites, or computed different partitions from different durations
-files). A shard writes its manifest twice: when its share is known (``complete: false``, so
-a shard killed mid-run still names the tests it owed) and when the session ends.
+files) and the run it belongs to (``run_id``: a result left in a reused directory by an
+earlier run must never stand in for a shard of this one). A shard clears its own earlier
+files when it starts, writes its manifest when its share is known (``complete: false``),
+again as tests finish (batched, see :class:`cpq.fanout.plugin.FanoutPlugin`), so a shard
+killed mid-run names the tests it ran and those it still owed, and in full when its
+session ends. Every write is atomic (a temporary file, then a rename).
 
-File names hold the shard index and count (``shard-2-of-4.json``): a requeued shard (Slurm
-``--requeue``) overwrites its own earlier result, so a requeue followed by a merge is
-complete, and results of runs with another shard count do not collide.
+File names hold the shard index and count (``shard-2-of-4.json``): a requeued or rerun
+shard overwrites its own earlier result, and results of runs with another shard count do
+not collide.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from cpq.fanout.durations import write_json_atomic
 
-FORMAT = "cpq-shard-manifest/1"
+FORMAT = "cpq-shard-manifest/2"
 OUTCOMES = ("passed", "failed", "skipped", "error")
 
 
@@ -44,6 +48,9 @@ class TestRecord:
     retries: int = 0
     message: str = ""  # one line: why it failed or was skipped
     details: str = ""  # the failure's long report (trimmed)
+    #: Seconds its tasks waited for a group to start, as the broker measured them (None:
+    #: no cpq task, or a broker that does not measure it).
+    spawn_wait_s: float | None = None
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Manifest:
     partition_hash: str
     collected: list[str]
     selected: list[str]
+    run_id: str = ""
     complete: bool = False
     source: str = ""
     hostname: str = ""
@@ -64,19 +72,16 @@ class Manifest:
     wall_s: float = 0.0
     exitstatus: int | None = None
     spawns: int = 0
+    #: Per pool spec, the seconds this shard waited for its groups to start (measured).
     spawn_s: dict[str, float] = field(default_factory=dict)
-    spawn_tests: dict[str, str] = field(default_factory=dict)  # spec -> test that waited
     tests: dict[str, TestRecord] = field(default_factory=dict)
     path: str = ""  # where it was read from (not written)
 
     def durations(self) -> dict[str, float]:
-        """What this shard teaches the next partition: each test's seconds, the spawn-wait
-        taken out of the test that waited for its spec's group (see ``spawn_s``)."""
-        walls = {i: r.wall_s for i, r in self.tests.items()}
-        for label, test_id in self.spawn_tests.items():
-            if test_id in walls:
-                walls[test_id] = max(0.0, walls[test_id] - self.spawn_s.get(label, 0.0))
-        return walls
+        """What this shard teaches the next partition: each test's seconds without the time
+        it waited for a group to start (that is the spec's spawn cost, ``spawn_s``, which
+        the partition charges once per shard and not to the test that happened to wait)."""
+        return {i: max(0.0, r.wall_s - (r.spawn_wait_s or 0.0)) for i, r in self.tests.items()}
 
     @property
     def retries(self) -> int:
@@ -110,6 +115,14 @@ def _str_list(data: dict[str, Any], key: str, where: str) -> list[str]:
     return list(value)
 
 
+def _seconds_or_none(value: object, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ManifestError(f"{where} has {value!r}, not a number of seconds >= 0")
+    return float(value)
+
+
 def from_json(data: object, where: str) -> Manifest:
     """A :class:`Manifest` from parsed JSON; :class:`ManifestError` names what is wrong."""
     if not isinstance(data, dict):
@@ -131,6 +144,7 @@ def from_json(data: object, where: str) -> Manifest:
             retries=int(raw.get("retries", 0)),
             message=str(raw.get("message", "")),
             details=str(raw.get("details", "")),
+            spawn_wait_s=_seconds_or_none(raw.get("spawn_wait_s"), f"{at}: 'spawn_wait_s'"),
         )
     index = _need(data, "index", int, where)
     count = _need(data, "count", int, where)
@@ -145,6 +159,7 @@ def from_json(data: object, where: str) -> Manifest:
         partition_hash=_need(data, "partition_hash", str, where),
         collected=_str_list(data, "collected", where),
         selected=_str_list(data, "selected", where),
+        run_id=_need(data, "run_id", str, where),
         complete=_need(data, "complete", bool, where),
         source=str(data.get("source", "")),
         hostname=str(data.get("hostname", "")),
@@ -154,7 +169,6 @@ def from_json(data: object, where: str) -> Manifest:
         exitstatus=exitstatus if isinstance(exitstatus, int) else None,
         spawns=int(_need(data, "spawns", int, where)),
         spawn_s={str(k): float(v) for k, v in spawn_s.items() if isinstance(v, number)},
-        spawn_tests={str(k): str(v) for k, v in dict(data.get("spawn_tests") or {}).items()},
         tests=tests,
         path=where,
     )
@@ -170,6 +184,11 @@ def read(path: Path) -> Manifest:
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{path}: not JSON ({exc})") from None
     return from_json(data, str(path))
+
+
+def own_files(directory: Path, index: int, count: int) -> list[Path]:
+    """Shard ``index`` of ``count``'s result files in ``directory`` (manifest, JUnit)."""
+    return [directory / f"{stem(index, count)}{suffix}" for suffix in (".json", ".xml")]
 
 
 def find(inputs: list[Path]) -> list[Path]:

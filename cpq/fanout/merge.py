@@ -3,12 +3,15 @@
 Why the check is strict: a fan-out that loses a test (a shard killed, a node lost) or runs
 one twice (two shards that computed different partitions) still prints a green JUnit file
 when each shard is looked at alone. The merge is the one place that sees every shard, so
-it refuses to call a run complete unless all shards agree on the collection and on the
-partition, every shard finished, and the union of what ran is exactly what was collected.
+it refuses to call a run complete unless all shards belong to one run (``run_id``: a
+reused results directory may hold an earlier run's file for a shard that never wrote in
+this one), agree on the collection and on the partition, every shard finished, and the
+union of what ran is exactly what was collected.
 
 Exit codes: 0 every test passed (or skipped), 1 a test failed, 2 the run is incomplete or
 inconsistent (missing or duplicated tests, missing or unfinished shards, disagreeing
-shards), which wins over 1: a verdict on part of a suite is not a verdict.
+shards, results of more than one run), which wins over 1: a verdict on part of a suite is
+not a verdict.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class MergeReport:
     duplicated: dict[str, list[str]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
+    run_id: str = ""
+    #: Results of other runs left out because ``--run-id`` picked this one.
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -108,10 +114,41 @@ def _agreement(manifests: Sequence[Manifest], report: MergeReport) -> None:
             )
 
 
-def merge(manifests: Sequence[Manifest]) -> MergeReport:
-    """Check and combine shard manifests (already read and validated)."""
-    ordered = sorted(manifests, key=lambda m: (m.count, m.index, m.path))
-    report = MergeReport(manifests=list(ordered))
+def _runs(manifests: Sequence[Manifest], report: MergeReport, run_id: str | None) -> None:
+    """Keep the manifests of one run: ``run_id``'s, else the only one; with results of
+    several runs and no choice, a problem naming the older runs' files as stale."""
+    runs: dict[str, list[Manifest]] = defaultdict(list)
+    for manifest in manifests:
+        runs[manifest.run_id].append(manifest)
+    if run_id is not None:
+        report.run_id = run_id
+        report.ignored = [m.path for m in manifests if m.run_id != run_id]
+        report.manifests = runs.get(run_id, [])
+        if not report.manifests:
+            found = ", ".join(sorted(runs)) or "none"
+            report.problems.append(f"no results of run {run_id} (runs found: {found})")
+        return
+    if len(runs) <= 1:
+        report.run_id = next(iter(runs), "")
+        return
+    newest = max(runs, key=lambda r: max(m.started_at for m in runs[r]))
+    report.run_id = newest
+    stale = "; ".join(
+        f"run {r}: {', '.join(m.path for m in group)}" for r, group in runs.items() if r != newest
+    )
+    report.problems.append(
+        f"results of {len(runs)} runs: the newest is {newest}; stale files of other runs "
+        f"({stale}): remove them or rerun those shards into run {newest} "
+        "(or pick a run with --run-id)"
+    )
+
+
+def merge(manifests: Sequence[Manifest], run_id: str | None = None) -> MergeReport:
+    """Check and combine shard manifests (already read and validated) of one run
+    (``run_id``, else every manifest given, which must then be of one run)."""
+    report = MergeReport(manifests=sorted(manifests, key=lambda m: (m.count, m.index, m.path)))
+    _runs(report.manifests, report, run_id)
+    ordered = report.manifests
     _agreement(ordered, report)
     collected: dict[str, None] = {}
     for manifest in ordered:
@@ -143,9 +180,11 @@ def merge(manifests: Sequence[Manifest]) -> MergeReport:
 def render(report: MergeReport, top: int = 10) -> str:
     """The summary ``cpq merge`` prints."""
     lines = [
-        f"cpq merge: {len(report.manifests)} shard result(s), "
+        f"cpq merge: {len(report.manifests)} shard result(s) of run {report.run_id or '?'}, "
         f"{len(report.collected)} test(s) collected"
     ]
+    if report.ignored:
+        lines.append(f"ignored (other runs): {_listing(report.ignored)}")
     header = ("shard", "host", "tests", "failed", "wall s", "spawns", "retries", "restarts", "")
     rows = [header]
     for m in report.manifests:

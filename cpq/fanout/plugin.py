@@ -9,25 +9,29 @@ the same answer without talking to anyone. Deselected tests go through
 
 Results (manifest and JUnit, see :mod:`cpq.fanout.manifest`) are written by the process
 that sees every report: the session itself, or the xdist controller (from reports, plus
-the collection its workers hand back). They are written only when sharding is on or
-``--cpq-results`` is given, so plain runs leave no files behind.
+the share the first worker wrote). They are written only when sharding is on or
+``--cpq-results`` is given, so plain runs leave no files behind. The manifest is rewritten
+as tests finish, at most every :data:`FLUSH_EVERY_S` (one atomic rename per batch, not per
+test), so a shard cancelled mid-run still names what it ran.
+
+Spawn costs are measured, not inferred: each verdict carries the seconds its task waited
+for a group to start (the broker measures it, ``TaskResult.spawn_wait_s``); ``cpq.client.plugin``
+hands it on with the test's report as the :data:`SPAWN_WAIT_PROPERTY` user property.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cpq.fanout import durations, junit
-from cpq.fanout.manifest import Manifest, TestRecord, stem
+from cpq.fanout import durations, junit, runid
+from cpq.fanout.manifest import Manifest, ManifestError, TestRecord, own_files, read, stem
 from cpq.fanout.shard import (
     SPAWN_PREFIX,
     ShardError,
@@ -42,6 +46,10 @@ from cpq.fanout.shard import (
 
 WORKER_KEY = "cpq_fanout"
 DETAILS_LIMIT = 20_000
+#: The user property (on a test's reports) with the seconds its tasks waited for a group.
+SPAWN_WAIT_PROPERTY = "cpq_spawn_wait_s"
+#: Least seconds between two rewrites of the manifest while tests run.
+FLUSH_EVERY_S = 1.0
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -90,6 +98,9 @@ def _record(records: dict[str, TestRecord], report: pytest.TestReport) -> None:
     record = records.setdefault(report.nodeid, TestRecord(outcome="passed", wall_s=0.0))
     record.wall_s += report.duration
     record.retries += report.capstderr.count("[CPQ-RETRY]")
+    for name, value in report.user_properties:
+        if name == SPAWN_WAIT_PROPERTY and isinstance(value, int | float):
+            record.spawn_wait_s = (record.spawn_wait_s or 0.0) + float(value)
     if report.failed:
         record.outcome = "failed" if report.when == "call" else "error"
         crash = getattr(report.longrepr, "reprcrash", None)
@@ -131,6 +142,10 @@ class FanoutPlugin:
         elif self.shard is not None:
             self.results = config.rootpath / ".cpq" / "results"
         self.write_durations = bool(config.getoption("cpq_write_durations"))
+        self.run_id, self.run_id_source = runid.from_env(os.environ)
+        if not self.is_worker and self.active:
+            os.environ[runid.RUN_ID_VAR] = self.run_id  # xdist workers start with this one
+        self.flushed_at = 0.0
         self.manifest: Manifest | None = None
         self.records: dict[str, TestRecord] = {}
         self.specs: dict[str, str] = {}
@@ -140,6 +155,21 @@ class FanoutPlugin:
     @property
     def active(self) -> bool:
         return self.shard is not None or self.results is not None or self.write_durations
+
+    def deselects(self) -> bool:
+        """Whether this session keeps only part of what it collects (it is a shard)."""
+        return self.shard is not None
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist starts workers that write the share
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """A shard clears its own earlier result files (an earlier run's, or its own before
+        a requeue): until it writes again, the merge sees this shard as missing, never as
+        the stale result of another run."""
+        if self.results is None or self.is_worker:
+            return
+        index, count = (self.shard.index, self.shard.count) if self.shard else (0, 1)
+        for path in own_files(self.results, index, count):
+            path.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------- collection
 
@@ -171,6 +201,7 @@ class FanoutPlugin:
             partition_hash=digest([sorted(s) for s in shards]),
             collected=collected,
             selected=shards[index],
+            run_id=self.run_id,
             source=self.shard.source if self.shard else "--cpq-results",
             hostname=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
             restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
@@ -186,18 +217,50 @@ class FanoutPlugin:
 
     def adopt(self, data: dict[str, Any]) -> None:
         """The xdist controller takes the collection a worker computed."""
-        if self.manifest is not None:
-            return
         from cpq.fanout.manifest import from_json
 
         self.specs = dict(data.pop("specs", {}))
-        self.manifest = from_json(data, "xdist worker")
+        if self.manifest is None:
+            self.manifest = from_json(data, "xdist worker")
+            self.manifest.run_id = self.run_id
+
+    def _share_from_disk(self) -> None:
+        """Under xdist the controller collects nothing: it takes the share the first worker
+        wrote (this run's, this shard's), so it can rewrite the manifest as tests finish."""
+        if self.manifest is not None or self.results is None:
+            return
+        index, count = (self.shard.index, self.shard.count) if self.shard else (0, 1)
+        try:
+            found = read(own_files(self.results, index, count)[0])
+        except ManifestError:
+            return
+        if found.run_id == self.run_id and not found.complete:
+            self.manifest = found
 
     # ----------------------------------------------------------------- reports
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if self.active and not self.is_worker:
-            _record(self.records, report)
+        if not self.active or self.is_worker:
+            return
+        _record(self.records, report)
+        if report.when == "teardown" and self.results is not None:
+            self._flush(force=False)
+
+    def _flush(self, force: bool) -> None:
+        """Rewrite the manifest with the tests finished so far (at most every
+        :data:`FLUSH_EVERY_S` unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self.flushed_at < FLUSH_EVERY_S:
+            return
+        self._share_from_disk()
+        if self.manifest is None or self.results is None:
+            return
+        self.flushed_at = now
+        selected = set(self.manifest.selected)
+        done = {i: r for i, r in self.records.items() if i in selected}
+        self.manifest.tests = done
+        self.manifest.spawn_s = self._spawn_costs()
+        self.manifest.write(self.results)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -208,7 +271,8 @@ class FanoutPlugin:
         manifest.tests = {i: r for i, r in self.records.items() if i in selected}
         manifest.wall_s = round(time.monotonic() - self.t0, 3)
         manifest.exitstatus = int(exitstatus)
-        manifest.spawns, manifest.spawn_s, manifest.spawn_tests = self._spawns()
+        manifest.spawns = self.groups_started()
+        manifest.spawn_s = self._spawn_costs()
         manifest.complete = True
         if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and manifest.collected:
             session.exitstatus = pytest.ExitCode.OK  # more shards than tests: an empty share
@@ -225,31 +289,21 @@ class FanoutPlugin:
                     pytest.PytestWarning(f"cpq: could not write durations: {exc}"), stacklevel=2
                 )
 
-    def _spawns(self) -> tuple[int, dict[str, float], dict[str, str]]:
-        """Groups this session ran on, and per spec the seconds its first test waited.
-
-        The first test of a spec in a session waits for that spec's group (the spawn not
-        hidden behind collection, plus the first-call warm-up): its wall minus the median
-        wall of the spec's other tests is the spec's spawn cost as this shard paid it, and
-        comes out of that test's recorded duration (:meth:`Manifest.durations`), so the
-        next partition counts it once per shard and not as part of one test. The test's own
-        seconds are taken from the durations file when it has them (else that median).
-        """
-        walls: dict[str, list[tuple[str, float]]] = defaultdict(list)
-        for test_id, record in self.records.items():  # in the order they ran
+    def _spawn_costs(self) -> dict[str, float]:
+        """Per pool spec, the seconds this shard's tests waited for its groups to start, as
+        the broker measured them: their sum in a serial session (each wait lengthened the
+        shard), the longest one under xdist (the workers waited side by side). A spec none
+        of whose tests carried a measurement is left out (the partition's default stands)."""
+        parallel = bool(getattr(self.config.option, "numprocesses", None))
+        costs: dict[str, float] = {}
+        for test_id, record in self.records.items():
             label = self.specs.get(test_id)
-            if label is not None and record.outcome in ("passed", "failed"):
-                walls[label].append((test_id, record.wall_s))
-        spawn_s: dict[str, float] = {}
-        spawn_tests: dict[str, str] = {}
-        for label, runs in walls.items():
-            first, wall = runs[0]
-            if first in self.recorded or len(runs) >= 2:
-                own = self.recorded.get(first) or statistics.median(w for _, w in runs[1:])
-                spawn_s[label] = round(max(0.0, wall - own), 3)
-                spawn_tests[label] = first
-        groups = self.groups_started()
-        return groups, spawn_s, spawn_tests
+            if label is None or record.spawn_wait_s is None:
+                continue
+            seen = costs.get(label, 0.0)
+            wait = record.spawn_wait_s
+            costs[label] = round(max(seen, wait) if parallel else seen + wait, 3)
+        return costs
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         manifest = self.manifest
@@ -259,8 +313,14 @@ class FanoutPlugin:
         terminalreporter.write_sep(
             "-",
             f"cpq fan-out: shard {manifest.index}/{manifest.count} ran "
-            f"{len(manifest.selected)} of {len(manifest.collected)} tests{where}",
+            f"{len(manifest.selected)} of {len(manifest.collected)} tests of run "
+            f"{self.run_id}{where}",
         )
+        if self.run_id_source == "random":
+            terminalreporter.write_line(
+                f"cpq fan-out: no CI run id found; this shard made up {self.run_id} (set "
+                f"{runid.RUN_ID_VAR} to one id for every shard of a run to merge them)"
+            )
 
 
 class FanoutXdistController:
@@ -273,6 +333,14 @@ class FanoutXdistController:
         data = getattr(node, "workeroutput", {}).get(WORKER_KEY)
         if isinstance(data, dict):
             self.plugin.adopt(dict(data))
+
+
+def deselects(config: pytest.Config) -> bool:
+    """Whether this session is a shard (collected tests may not run here): the collection
+    warm-up of ``cpq.client.plugin`` then waits for the share, so it starts no group for tests
+    another shard keeps."""
+    plugin = config.pluginmanager.get_plugin("cpq-fanout")
+    return isinstance(plugin, FanoutPlugin) and plugin.deselects()
 
 
 def register(config: pytest.Config, groups_started: Callable[[], int]) -> None:

@@ -200,9 +200,16 @@ class SlurmCluster:
 
     # ----------------------------------------------------------------- jobs
 
-    def run(self, *command: str, env: Mapping[str, str] | None = None) -> str:
+    def run(
+        self, *command: str, env: Mapping[str, str] | None = None, cwd: Path | None = None
+    ) -> str:
         result = subprocess.run(
-            command, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60
+            command,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=cwd,
         )
         if result.returncode:
             raise AssertionError(f"{' '.join(command)} -> {result.returncode}: {result.stderr}")
@@ -220,6 +227,12 @@ class SlurmCluster:
         out = self.run("scontrol", "-o", "show", "job", job)
         fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
         return fields.get("JobState", "?")
+
+    def exit_code(self, job: str) -> int:
+        """A finished job's exit status (``ExitCode=2:0``: status 2, no signal)."""
+        out = self.run("scontrol", "-o", "show", "job", job)
+        fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+        return int(fields["ExitCode"].split(":")[0])
 
     def logs(self) -> str:
         parts = []

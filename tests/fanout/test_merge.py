@@ -180,12 +180,67 @@ def test_missing_inputs_are_exit_4(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "no shard manifests" in capsys.readouterr().err
 
 
-def test_the_spawn_wait_comes_out_of_the_first_test_of_a_spec() -> None:
+def test_the_measured_spawn_wait_comes_out_of_the_test_that_waited() -> None:
     results = shard_results()
     first = results[0].selected[0]
-    results[0].tests[first].wall_s = 9.0  # it waited ~8 s for the group
-    results[0].spawn_s = {"ws2": 8.0}
-    results[0].spawn_tests = {"ws2": first}
+    results[0].tests[first] = TestRecord("passed", 9.0, spawn_wait_s=8.0)  # broker-measured
     report = merge(results)
     assert report.durations[first] == 1.0
-    assert report.durations["cpq:spawn:ws2"] == 6.0  # the median of 8, 5 and 6
+    assert report.durations["cpq:spawn:ws2"] == 5.0  # the median of the shards' 4, 5 and 6
+    unmeasured = results[1].selected[0]
+    assert report.durations[unmeasured] == results[1].tests[unmeasured].wall_s  # kept as is
+
+
+def two_runs(tmp_path: Path) -> tuple[Path, Path]:
+    """Run "old" wrote shards 0 and 1 of 2; run "new" rewrote shard 0 only (shard 1 was
+    cancelled before it wrote): the directory a reused ``CPQ_RESULTS`` holds then."""
+    old = shard_results(count=2)
+    new = shard_results(count=2)
+    for m in old:
+        m.run_id, m.started_at = "old", 100.0
+    for m in new:
+        m.run_id, m.started_at = "new", 200.0
+    old[0].write(tmp_path)
+    old[1].write(tmp_path)
+    new[0].write(tmp_path)  # replaces old shard 0, as the shard's own files are
+    return tmp_path / "shard-0-of-2.json", tmp_path / "shard-1-of-2.json"
+
+
+def test_results_of_two_runs_are_exit_2_naming_the_stale_file_and_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, stale = two_runs(tmp_path)
+    out = tmp_path / "out"
+    args = ["--junit", str(out / "j.xml"), "--durations", str(out / "d.json"), str(tmp_path)]
+    assert cli.main(args) == 2
+    text = capsys.readouterr().out
+    assert "results of 2 runs: the newest is new" in text
+    assert f"run old: {stale}" in text
+    assert "nothing written" in text and not out.exists()
+
+
+def test_run_id_picks_one_run_and_lists_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, stale = two_runs(tmp_path)
+    assert cli.main(["--run-id", "new", str(tmp_path)]) == 2  # its shard 1 never wrote
+    text = capsys.readouterr().out
+    assert f"ignored (other runs): {stale}" in text
+    assert "no result from shard(s) 1/2" in text
+    assert cli.main(["--run-id", "old", str(tmp_path / "shard-1-of-2.json")]) == 2
+    assert cli.main(["--run-id", "gone", str(tmp_path)]) == 2
+    assert "no results of run gone (runs found: new, old)" in capsys.readouterr().out
+
+
+def test_an_internal_error_is_exit_3_never_a_test_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for m in shard_results():
+        m.write(tmp_path)
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "render", broken)
+    assert cli.main([str(tmp_path)]) == 3
+    assert "internal error (exit 3)" in capsys.readouterr().err

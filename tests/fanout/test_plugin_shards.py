@@ -18,6 +18,7 @@ BASE = ("-p", "cpq.client.plugin", "-p", "no:cacheprovider")
 @pytest.fixture(autouse=True)
 def _no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("CPQ_RUN_ID", "run-1")  # shards started by hand: one run id for all
 
 
 SUITE = """
@@ -121,3 +122,41 @@ def test_failures_and_bad_options(pytester: pytest.Pytester) -> None:
     plain = pytester.runpytest_subprocess(*BASE)
     assert plain.ret == pytest.ExitCode.TESTS_FAILED
     assert not (pytester.path / ".cpq").exists()  # a plain run leaves no result files
+
+
+KILLED = """
+import os
+import time
+
+def test_a():
+    pass
+
+def test_b():
+    time.sleep(1.2)  # past the manifest's batching interval: a and b are on disk after it
+
+def test_c():
+    os._exit(1)  # the node dies: no session end, no final manifest
+
+def test_d():
+    pass
+"""
+
+
+def test_a_killed_shard_keeps_what_it_ran_and_no_earlier_result(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytester.makepyfile(test_suite=KILLED)
+    results = pytester.path / "out"
+    results.mkdir()
+    stale = {"format": "cpq-shard-manifest/2", "run_id": "earlier", "complete": True}
+    (results / "shard-0-of-1.json").write_text(json.dumps(stale))  # a reused directory
+    (results / "shard-0-of-1.xml").write_text("<testsuites/>")
+    run = pytester.runpytest_subprocess(*BASE, "--cpq-shard=0/1", f"--cpq-results={results}")
+    assert run.ret == 1
+    (data,) = manifests(results)
+    assert data["run_id"] == "run-1" and data["complete"] is False
+    assert sorted(data["tests"]) == ["test_suite.py::test_a", "test_suite.py::test_b"]
+    assert not (results / "shard-0-of-1.xml").exists()  # the earlier run's, cleared at start
+    assert cli.main([str(results)]) == 2
+    out = capsys.readouterr().out
+    assert "MISSING (2): test_suite.py::test_c, test_suite.py::test_d" in out

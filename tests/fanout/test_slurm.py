@@ -1,10 +1,11 @@
-"""CI fan-out on a real two-node Slurm cluster, through the shipped sbatch template.
+"""CI fan-out on a real two-node Slurm cluster, through the shipped templates, unmodified.
 
-A generated marker suite (34 tests: 30 ``@pytest.mark.cpq(world_size=1)`` tests that sleep a
-known time and all_reduce on a warm group, 4 unmarked) runs as array shards; each shard
-autostarts its node's own broker (state under the job's ``TMPDIR``), and ``cpq merge``
-judges the results. The jobs get a clean environment: nothing of this session's broker
-(``CPQ_ENDPOINT``, ``CPQ_STATE_DIR``) or of pytest reaches them.
+``tools/ci/slurm/submit.sh`` submits ``cpq-shards.sbatch`` (an array, one shard per node)
+and ``cpq-merge.sbatch`` (the verdict, after the array) exactly as a user would; each shard
+autostarts its node's own broker (state under the job's ``TMPDIR``). The jobs get a clean
+environment: nothing of this session's broker (``CPQ_ENDPOINT``, ``CPQ_STATE_DIR``) or of
+pytest reaches them, and no durations path or run id is set by hand: the templates' own
+defaults are what is tested.
 """
 
 from __future__ import annotations
@@ -19,85 +20,104 @@ import pytest
 from .slurm import SlurmCluster, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "tools" / "ci" / "slurm" / "cpq-shards.sbatch"
-#: Six long tests and many short ones: a split by count would put the long ones unevenly.
-SECONDS = [1.2 if n % 5 == 0 else 0.15 for n in range(30)]
+SLURM = ROOT / "tools" / "ci" / "slurm"
+PYTEST_ARGS = ("-p", "cpq.client.plugin", "-p", "no:cacheprovider", "-q", "test_suite.py")
 
-SUITE = f"""
+#: The closing figure's suite: tests of 2 s, 1 s and 0.2 s on warm ws=1 groups.
+BALANCE_SUITE = """
 import time
 
 import pytest
 
-SECONDS = {SECONDS!r}
+SECONDS = [2.0, 2.0, 1.0, 1.0, 1.0] + [0.2] * 10
 
 
 @pytest.mark.cpq(world_size=1)
 @pytest.mark.parametrize("n", range(len(SECONDS)))
 def test_work(n):
-    import torch
     import torch.distributed as dist
 
     time.sleep(SECONDS[n])
-    value = torch.full((4,), float(n))
-    dist.all_reduce(value)
-    assert value[0].item() == n * dist.get_world_size()
+    assert dist.get_world_size() == 1
 
 
 @pytest.mark.parametrize("n", range(4))
 def test_local(n):
     assert n < 4
 """
+BALANCE_SECONDS = [2.0, 2.0, 1.0, 1.0, 1.0] + [0.2] * 10
 
-ALL_TESTS = [f"test_suite.py::test_work[{n}]" for n in range(30)] + [
-    f"test_suite.py::test_local[{n}]" for n in range(4)
-]
+#: Two pool specs (same world size, another marker env) that the durations below keep on
+#: separate shards: spec "a" on shard 0, spec "b" on shard 1.
+SPLIT_SUITE = """
+import time
+
+import pytest
 
 
-@pytest.fixture
-def project(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The suite, and a durations file that knows what each test costs."""
+@pytest.mark.cpq(world_size=1)
+@pytest.mark.parametrize("n", range(6))
+def test_a(n):
+    time.sleep(0.4)
+
+
+@pytest.mark.cpq(world_size=1, env={"FLAVOUR": "b"})
+@pytest.mark.parametrize("n", range(6))
+def test_b(n):
+    time.sleep(0.4)
+
+
+@pytest.mark.cpq(world_size=2)
+def test_wide():
+    pass
+"""
+SPLIT_DURATIONS = {
+    **{f"test_suite.py::test_a[{n}]": 0.4 for n in range(6)},
+    **{f"test_suite.py::test_b[{n}]": 0.4 for n in range(6)},
+    "cpq:spawn:ws1": 4.0,
+    "cpq:spawn:ws1 FLAVOUR=b": 4.0,
+}
+
+
+def make_project(tmp_path_factory: pytest.TempPathFactory, suite: str) -> Path:
     path = Path(tmp_path_factory.mktemp("fanout", numbered=True))
     path.chmod(0o755)
-    (path / "test_suite.py").write_text(SUITE)
-    recorded = {f"test_suite.py::test_work[{n}]": s + 0.02 for n, s in enumerate(SECONDS)}
-    recorded |= {f"test_suite.py::test_local[{n}]": 0.001 for n in range(4)}
-    recorded["cpq:spawn:ws1"] = 4.0
-    (path / "durations.json").write_text(json.dumps(recorded))
+    (path / "test_suite.py").write_text(suite)
     return path
 
 
-def submit(
-    cluster: SlurmCluster,
-    project: Path,
-    results: Path,
-    array: str = "0-1",
-    args: tuple[str, ...] = (),
-    **env: str,
-) -> str:
-    """sbatch the template as a user would; the array's job id."""
-    job_env = {
+def job_env(cluster: SlurmCluster, project: Path, **extra: str) -> dict[str, str]:
+    return {
         "PYTHONPATH": str(ROOT),
         "CPQ_PYTHON": sys.executable,
-        "CPQ_RESULTS": str(results),
-        "CPQ_WORKDIR": str(project),
-        "CPQ_DURATIONS": str(project / "durations.json"),
+        "CPQ_RESULTS": str(project / "results"),
         "TMPDIR": str(cluster.dir),  # node-local state: under the cluster, found at teardown
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-        **env,
+        **extra,
     }
+
+
+def submit(cluster: SlurmCluster, project: Path, *args: str, **env: str) -> tuple[str, str, str]:
+    """``submit.sh ARGS pytest-args`` from the project directory: (run id, array, merge)."""
     out = cluster.run(
-        "sbatch", "--parsable", f"--array={array}", f"--output={results.parent}/%x-%A_%a.out",
-        str(TEMPLATE), "-p", "cpq.client.plugin", "-p", "no:cacheprovider", "-q", *args,
-        env=job_env,
+        str(SLURM / "submit.sh"), *args, *PYTEST_ARGS, env=job_env(cluster, project, **env),
+        cwd=project,
     )  # fmt: skip
-    return out.strip().split(";")[0]
+    words = out.split()
+    return words[words.index("run:") + 1], words[words.index("shards:") + 1], words[-1]
 
 
 def wait_done(cluster: SlurmCluster, job: str, within: float = 120) -> None:
     wait_until(f"end of job {job}", lambda: not cluster.queue(job), within=within, every=0.25)
 
 
-def merge(results: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def verdict(cluster: SlurmCluster, project: Path, merge_job: str) -> tuple[int, str]:
+    """The merge job's exit status and output, once it has ended."""
+    wait_done(cluster, merge_job)
+    return cluster.exit_code(merge_job), (project / f"cpq-merge-{merge_job}.out").read_text()
+
+
+def merge_here(results: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cpq", "merge", *args, str(results)],
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
@@ -107,105 +127,166 @@ def merge(results: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def manifests(results: Path) -> list[dict[str, object]]:
-    return [json.loads(p.read_text()) for p in sorted(results.glob("shard-*.json"))]
+def manifest(project: Path, index: int) -> dict[str, object]:
+    return json.loads((project / "results" / f"shard-{index}-of-2.json").read_text())
 
 
-def outputs(results: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted(results.parent.glob("*.out")))
+def outputs(project: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(project.glob("*.out")))
 
 
-def test_two_nodes_run_every_test_once_with_balanced_walls(
-    slurm: SlurmCluster, project: Path
+def test_a_first_run_teaches_the_second_to_balance_with_no_variable_set(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    results = project / "results"
-    job = submit(slurm, project, results)
-    wait_done(slurm, job)
-    merged = merge(
-        results, "--junit", str(project / "junit.xml"), "--durations", str(project / "next.json")
-    )
-    assert merged.returncode == 0, merged.stdout + merged.stderr + outputs(results)
-    data = manifests(results)
-    assert [d["hostname"] for d in data] == ["n1", "n2"] or len({d["hostname"] for d in data}) == 2
-    ran = sorted(t for d in data for t in d["tests"])  # type: ignore[attr-defined]
-    assert ran == sorted(ALL_TESTS)  # every test, once
-    walls = [float(d["wall_s"]) for d in data]  # type: ignore[arg-type]
-    assert max(walls) / min(walls) <= 1.25, (walls, merged.stdout)
-    assert all(d["spawns"] == 1 for d in data), data
-    assert "every collected test ran exactly once and passed" in merged.stdout
-    learned = json.loads((project / "next.json").read_text())
-    assert learned["cpq:spawn:ws1"] > 0  # the wait for the group, learned as a spawn cost
-    for n, seconds in enumerate(SECONDS):  # and not charged to the test that waited
+    project = make_project(tmp_path_factory, BALANCE_SUITE)
+    run1, _, merge1 = submit(slurm, project, "2")
+    status, out = verdict(slurm, project, merge1)
+    assert status == 0, out + outputs(project)
+    assert f"of run {run1}" in out and "every collected test ran exactly once" in out
+    learned = json.loads((project / ".cpq" / "durations.json").read_text())  # shards' default
+    for n, seconds in enumerate(BALANCE_SECONDS):  # the measured spawn wait is not a test's
+        # (a group's first task also imports the test module and pytest on the rank: < 1 s)
         assert seconds <= learned[f"test_suite.py::test_work[{n}]"] < seconds + 1.0, learned
-    junit = (project / "junit.xml").read_text()
-    assert junit.count("<testcase ") == len(ALL_TESTS)
+    assert learned["cpq:spawn:ws1"] > 0
+    assert len(list(project.glob("results/logs/*/shard-*/group-*-agent.log"))) >= 2  # kept
+
+    run2, _, merge2 = submit(slurm, project, "2")
+    status, out = verdict(slurm, project, merge2)
+    assert status == 0, out + outputs(project)
+    assert run2 != run1 and {manifest(project, i)["run_id"] for i in (0, 1)} == {run2}
+    walls = [float(manifest(project, i)["wall_s"]) for i in (0, 1)]  # type: ignore[arg-type]
+    print(f"second run's shard walls: {walls}, max/min {max(walls) / min(walls):.2f}")
+    assert max(walls) / min(walls) <= 1.25, (walls, out)
 
 
-def test_a_cancelled_shard_is_named_then_a_requeue_completes_the_run(
-    slurm: SlurmCluster, project: Path
+def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    project = make_project(tmp_path_factory, SPLIT_SUITE)
+    (project / ".cpq").mkdir()
+    (project / ".cpq" / "durations.json").write_text(json.dumps(SPLIT_DURATIONS))
+    ks = ("-k", "not wide")
+    broker = {"CPQ_BROKER_ARGS": "--spares 0"}
     results = project / "results"
-    job = submit(slurm, project, results)
-    started = results / "shard-1-of-2.json"
-    wait_until("shard 1's share on disk", started.exists, within=90)
-    owed = json.loads(started.read_text())["selected"]
-    slurm.run("scancel", f"{job}_1")
-    wait_done(slurm, job)
-    assert slurm.state(f"{job}_1") == "CANCELLED"
-    merged = merge(results)
-    assert merged.returncode == 2, merged.stdout + merged.stderr
-    assert f"MISSING ({len(owed)}): " in merged.stdout
-    for test_id in owed:
-        assert test_id in merged.stdout
-    assert "shard 1/2 on n" in merged.stdout and "did not finish" in merged.stdout
-    state_dirs = f"{slurm.dir}/cpq-{job}"
-    wait_until("no process of the cancelled shard", lambda: not _processes(state_dirs), 30)
 
-    slurm.run("scontrol", "requeue", f"{job}_1")
-    slurm.run("scontrol", "update", f"jobid={job}_1", "StartTime=now")
+    # Run 1: each shard's collection starts only the group of the spec it keeps.
+    run1, _, merge1 = submit(slurm, project, "2", *ks, **broker)
+    status, out = verdict(slurm, project, merge1)
+    assert status == 0, out + outputs(project)
+    for index, spec_test in enumerate(("test_a", "test_b")):
+        kept = manifest(project, index)["selected"]
+        assert kept and all(spec_test in t for t in kept), kept  # type: ignore[attr-defined]
+        groups = list(results.glob(f"logs/{run1}/shard-{index}-of-2-*/group-*-agent.log"))
+        assert len(groups) == 1, groups
+
+    # Run 2 into the same directory; shard 1 is cancelled before it starts, so the file of
+    # shard 1 is still run 1's: never merged as run 2's.
+    blocker = slurm.run(
+        "sbatch", "--parsable", "--exclusive", "-w", "n2", f"--output={project}/block.log",
+        "--wrap", "sleep 300", env={"PATH": "/usr/bin:/bin"},
+    ).strip()  # fmt: skip
+    wait_until("blocker running", lambda: slurm.queue(blocker) == [(blocker, "RUNNING")], 30)
+    run2, array2, merge2 = submit(slurm, project, "2", *ks, **broker)
     wait_until(
-        "the requeued shard's result",
-        lambda: json.loads(started.read_text()).get("complete") is True,
-        within=120,
-        every=0.25,
+        "shard 0 running and shard 1 pending",
+        lambda: sorted(s for _, s in slurm.queue(array2)) == ["PENDING", "RUNNING"],
+        within=30,
+        every=0.1,
     )
+    slurm.run("scancel", f"{array2}_1")
+    slurm.run("scancel", blocker)
+    status, out = verdict(slurm, project, merge2)
+    stale = str(results / "shard-1-of-2.json")
+    assert status == 2, out
+    assert f"ignored (other runs): {stale}" in out and "no result from shard(s) 1/2" in out
+    by_hand = merge_here(results)  # no --run-id: two runs in one directory
+    assert by_hand.returncode == 2, by_hand.stdout
+    assert f"run {run1}: {stale}" in by_hand.stdout, by_hand.stdout
+
+    # Rerun shard 1 into run 2 (submit.sh --shard), cancelled midway: the merge lists
+    # exactly the tests it did not run.
+    _, rerun, merge3 = submit(slurm, project, "--shard", "1", "2", *ks, **broker)
+    shard1 = results / "shard-1-of-2.json"
+
+    def ran_some() -> bool:
+        try:
+            data = json.loads(shard1.read_text())
+        except FileNotFoundError:
+            return False
+        return data.get("run_id") == run2 and len(data.get("tests", {})) >= 2
+
+    def ran_all(restart: int) -> bool:  # the file is gone for a moment when a shard starts
+        try:
+            data = json.loads(shard1.read_text())
+        except FileNotFoundError:
+            return False
+        return data.get("restart_count") == restart and data.get("complete") is True
+
+    wait_until("two tests of the rerun on disk", ran_some, within=90, every=0.1)
+    slurm.run("scancel", rerun)
+    status, out = verdict(slurm, project, merge3)
+    assert status == 2, out
+    data = manifest(project, 1)
+    owed = [t for t in data["selected"] if t not in data["tests"]]  # type: ignore[attr-defined]
+    assert 0 < len(owed) < 6 and f"MISSING ({len(owed)}): {', '.join(owed)}" in out, out
+    wait_done(slurm, rerun)
+    assert slurm.state(rerun) == "CANCELLED"
+
+    # The cancelled rerun, requeued, completes the run and keeps its first log.
+    slurm.run("scontrol", "requeue", rerun)
+    slurm.run("scontrol", "update", f"jobid={rerun}", "StartTime=now")
+    wait_until("the requeued shard's result", lambda: ran_all(restart=1), 120)
+    wait_done(slurm, rerun)
+    final = merge_here(results, "--run-id", run2)
+    assert final.returncode == 0, final.stdout + outputs(project)
+    log = next(project.glob(f"cpq-shard-{rerun}_1.out")).read_text()
+    assert "(job " in log and "restart 0)" in log and "restart 1)" in log, log
+    assert len(list(results.glob(f"logs/{run2}/shard-1-of-2-job{rerun}-restart*"))) == 2
+
+
+def test_broker_options_pass_through_and_a_merge_without_cpq_is_exit_3(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    project = make_project(tmp_path_factory, SPLIT_SUITE)
+    _, _, merge = submit(slurm, project, "1", "-k", "wide", CPQ_BROKER_ARGS="--max-ranks 1")
+    status, out = verdict(slurm, project, merge)
+    assert status == 1, out + outputs(project)
+    assert "exceeds this broker's --max-ranks 1" in manifest_text(project)
+    env = job_env(slurm, project, CPQ_PYTHON="/usr/bin/python3", PYTHONPATH="")
+    job = slurm.run(
+        "sbatch", "--parsable", str(SLURM / "cpq-merge.sbatch"), env=env, cwd=project
+    ).strip()
     wait_done(slurm, job)
-    merged = merge(results)
-    assert merged.returncode == 0, merged.stdout + merged.stderr + outputs(results)
-    (shard0, shard1) = manifests(results)
-    assert shard1["restart_count"] == 1 and shard0["restart_count"] == 0
-    assert sorted([*shard0["tests"], *shard1["tests"]]) == sorted(ALL_TESTS)  # type: ignore[misc]
+    assert slurm.exit_code(job) == 3
+    assert "cannot import cpq" in (project / f"cpq-merge-{job}.out").read_text()
 
 
-def test_shards_with_different_durations_are_detected(slurm: SlurmCluster, project: Path) -> None:
+def manifest_text(project: Path) -> str:
+    return (project / "results" / "shard-0-of-1.json").read_text()
+
+
+def test_shards_with_different_durations_are_detected(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Two shards that balanced on different durations files cannot both be trusted.
 
-    Only the unmarked tests (``-k test_local``): no group is needed to show it."""
-    results = project / "results"
+    Only the unmarked tests of the balance suite: no group is needed to show it."""
+    project = make_project(tmp_path_factory, BALANCE_SUITE)
     other = {"test_suite.py::test_local[0]": 60.0, "test_suite.py::test_local[1]": 1.0}
     (project / "other.json").write_text(json.dumps(other))
-    local = ("-k", "test_local")
-    first = submit(slurm, project, results, array="0", args=local, CPQ_SHARD="0/2")
-    second = submit(
-        slurm, project, results, array="0", args=local, CPQ_SHARD="1/2",
-        CPQ_DURATIONS=str(project / "other.json"),
-    )  # fmt: skip
-    wait_done(slurm, first)
-    wait_done(slurm, second)
-    merged = merge(results)
-    assert merged.returncode == 2, merged.stdout + merged.stderr + outputs(results)
+    jobs = []
+    for shard, durations in (("0/2", "none.json"), ("1/2", "other.json")):
+        env = job_env(slurm, project, CPQ_SHARD=shard, CPQ_RUN_ID="by-hand")
+        env["CPQ_DURATIONS"] = str(project / durations)
+        jobs.append(
+            slurm.run(
+                "sbatch", "--parsable", "--array=0", str(SLURM / "cpq-shards.sbatch"),
+                *PYTEST_ARGS, "-k", "test_local", env=env, cwd=project,
+            ).strip().split(";")[0]
+        )  # fmt: skip
+    for job in jobs:
+        wait_done(slurm, job)
+    merged = merge_here(project / "results")
+    assert merged.returncode == 2, merged.stdout + merged.stderr + outputs(project)
     assert "shards computed different selections" in merged.stdout
     assert "0/2" in merged.stdout and "1/2" in merged.stdout
-
-
-def _processes(needle: str) -> list[int]:
-    """Pids whose environment names a state directory starting with ``needle``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"CPQ_STATE_DIR={needle}".encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
