@@ -14,7 +14,6 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import ROOT, start_broker, stop_broker

@@ -35,6 +35,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         help="update this durations file (test id -> seconds) with the merged run's walls",
     )
     parser.add_argument("--top", type=int, default=10, help="how many slowest tests to list")
+    from cpq.timeline.command import add_output_arguments
+
+    add_output_arguments(parser)  # --trace/--timeline: every shard's groups on one axis
 
 
 def run_merge(args: argparse.Namespace) -> int:
@@ -48,6 +51,12 @@ def run_merge(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     report = merge(manifests)
     print(render(report, top=args.top))
+    if args.trace or args.timeline:
+        from cpq.timeline.command import merge_pictures
+
+        shards = [(Path(m.path), f"shard {m.index}/{m.count} {m.hostname}") for m in manifests]
+        if merge_pictures(shards, args.trace, args.timeline):
+            return EXIT_USAGE
     try:
         if args.junit is not None:
             junit.write(args.junit, report.manifests)

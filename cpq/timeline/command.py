@@ -135,3 +135,50 @@ def status_pictures(args: argparse.Namespace, timings_path: Path) -> int:
     for line in said:
         print(line)
     return 0
+
+
+# --------------------------------------------------------------------------- fan-out shards
+
+
+def shard_file(manifest_path: Path) -> Path:
+    """Where a shard's timeline lies: beside its manifest, ``shard-I-of-N.timeline.jsonl``."""
+    return manifest_path.with_name(f"{manifest_path.stem}.timeline.jsonl")
+
+
+def export_shard(out: Path, timings_path: Path, since: float, tests: int, wait_s: float) -> int:
+    """Copy this node's timeline records from ``since`` on into ``out`` (a shard's result
+    directory), for ``cpq merge --trace/--timeline``; returns how many were copied.
+
+    The broker writes its events once per tick: the export waits (at most ``wait_s``) until
+    the records of the session's ``tests`` task verdicts are on disk, polling the file.
+    """
+    source = records.timeline_path(timings_path)
+    deadline = time.monotonic() + wait_s
+    while True:
+        kept = [r for r in records.read(source).records if r["t"] >= since]
+        done = sum(1 for r in kept if r["ev"] == "task" and not r["outcome"].startswith("retr"))
+        if done >= tests or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if kept:
+        _write_atomic(out, "".join(records.iter_lines(kept)))
+    return len(kept)
+
+
+def merge_pictures(manifests: list[tuple[Path, str]], trace: Path | None, html: Path | None) -> int:
+    """``cpq merge --trace/--timeline``: each shard's exported timeline, one track group per
+    shard, on one time axis. A shard without its timeline is an error (nothing written)."""
+    try:
+        runs = []
+        for path, label in manifests:
+            source = shard_file(path)
+            if not source.exists():
+                raise WindowError(f"{label} has no timeline ({source} is missing)")
+            runs.append(load(source, label))
+        said = write(runs, trace, html, "cpq fan-out timeline")
+    except (WindowError, OSError) as exc:
+        print(f"cpq merge: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in said:
+        print(line)
+    return 0

@@ -309,3 +309,68 @@ def test_a_task_whose_group_failed_under_it_ends_where_its_group_stopped() -> No
     assert kinds == [("spawn", "spawn"), ("task", "t::a"), ("stopping", "stopping (failed)")]
     a = slices[(1, 1)][1]
     assert a["args"]["run_s"] == pytest.approx(4.00002)  # its measured end, in the arguments
+
+
+# --------------------------------------------------------------------------- fan-out merge
+
+
+def _shard(directory: Path, index: int, recs: list[dict[str, Any]] | None) -> None:
+    from cpq.fanout.manifest import Manifest, TestRecord
+
+    tests = sorted({r["test"] for r in recs or [] if r["ev"] == "task"})
+    Manifest(
+        index=index,
+        count=2,
+        collection_hash="c",
+        partition_hash="p",
+        collected=tests,
+        selected=tests,
+        complete=True,
+        hostname=f"node{index}",
+        exitstatus=0,
+        tests={t: TestRecord("passed", 1.0) for t in tests},
+    ).write(directory)
+    if recs is not None:
+        text = "".join(records.iter_lines(recs))
+        (directory / f"shard-{index}-of-2.timeline.jsonl").write_text(text)
+
+
+def test_merge_draws_every_shard_as_its_own_track_group_on_one_axis(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cpq.fanout import cli
+
+    _shard(tmp_path, 0, [broker(0), *life("g1", 0, 1), task("t::a", "g1", 1, 1, 2)])
+    late = [broker(5), *life("g1", 5, 6), task("t::b", "g1", 6, 6, 9)]
+    _shard(tmp_path, 1, late)
+    trace_path, page = tmp_path / "all.json", tmp_path / "all.html"
+    code = cli.main([str(tmp_path), "--trace", str(trace_path), "--timeline", str(page)])
+    assert code == 0, capsys.readouterr()
+    trace = json.loads(trace_path.read_text())
+    slices = check_trace(trace)
+    processes = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
+    assert processes == {1: "shard 0/2 node0", 2: "shard 1/2 node1"}
+    assert slices[(2, 1)][0]["ts"] == pytest.approx(5e6)  # shard 2 started 5 s later
+    assert "shard 0/2 node0" in page.read_text() and "t::b" in page.read_text()
+
+    (tmp_path / "shard-1-of-2.timeline.jsonl").unlink()
+    trace_path.unlink()
+    assert cli.main([str(tmp_path), "--trace", str(trace_path)]) == 4
+    assert "shard 1/2 node1 has no timeline" in capsys.readouterr().err
+    assert not trace_path.exists()
+
+
+def test_a_shard_exports_its_nodes_records_since_the_session_started(tmp_path: Path) -> None:
+    from cpq.timeline.command import export_shard
+
+    history = tmp_path / "timings.jsonl"
+    recs = [broker(0), *life("g1", 0, 1), task("t::old", "g1", 1, 1, 2), hello(10, "s9")]
+    recs += [task("t::a", "g1", 11, 11, 12), task("t::b", "g1", 12, 12, 13)]
+    records.timeline_path(history).write_text("".join(records.iter_lines(recs)))
+    out = tmp_path / "shard-1-of-2.timeline.jsonl"
+    assert export_shard(out, history, T + 10, tests=2, wait_s=0.0) == 3
+    assert [r.get("test") for r in records.read(out).records] == [None, "t::a", "t::b"]

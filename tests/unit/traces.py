@@ -8,6 +8,7 @@ slices, counters with numeric values. Returns the slices per track for further c
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Any
@@ -58,7 +59,7 @@ def check_trace(trace: dict[str, Any]) -> dict[Track, list[dict[str, Any]]]:
     for track, track_slices in slices.items():
         assert track in names, f"track {track} has no thread_name"
         track_slices.sort(key=lambda e: e["ts"])
-        for before, after in zip(track_slices, track_slices[1:]):
+        for before, after in itertools.pairwise(track_slices):
             assert after["ts"] >= before["ts"] + before["dur"] - 1e-3, (
                 f"slices overlap on {names[track]!r}: {before} / {after}"
             )
