@@ -106,7 +106,9 @@ def test_the_trace_of_a_real_session_has_every_test_once_and_every_spawn(
     assert len(groups) == 2 and all(re.match(r"g\d+ ws1/\w+ · CPU$", n) for n in groups.values())
     for track in groups:
         assert slices[track][0]["cat"] == "spawn" and slices[track][0]["dur"] > 0
-        assert slices[track][1]["cat"] == "warm-up"  # the first task on each fresh group
+        # The first task on each fresh group is its warm-up (a group ready last may get none:
+        # the other one may have cleared the queue).
+        assert [e["cat"] for e in slices[track][1:2]] in ([], ["warm-up"])
     ran = [e for track in groups for e in slices[track] if e["cat"] in ("task", "warm-up")]
     assert sorted(e["name"] for e in ran) == sorted(TESTS)  # each test once
     for event in ran:
