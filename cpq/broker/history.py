@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from cpq.timings import DEFAULT_MAX_BYTES, TIMES, TaskTiming, fmt_seconds
@@ -25,27 +25,27 @@ from cpq.timings import DEFAULT_MAX_BYTES, TIMES, TaskTiming, fmt_seconds
 log = logging.getLogger("cpq.timings")
 
 
-class TimingsLog:
-    """Appends :class:`TaskTiming` lines to ``path`` (``None``: keeps no history)."""
+class JsonLines:
+    """Appends lines to ``path`` (``None``: writes nothing): the timing history's and the
+    timeline's file. One ``os.write`` per call, so a crash tears at most the last line."""
 
-    def __init__(self, path: Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, path: Path | None, max_bytes: int, what: str) -> None:
         self.path = path
         self.max_bytes = max_bytes
+        self.what = what
         self.errors = 0
+        #: Called after this file was rotated (the timeline rotates with the timings).
+        self.on_rotate: Callable[[], None] | None = None
         self._failing = False
         # After a failed write (or a crash mid-write) the file may end in a torn line; the
         # next line then starts with a newline so that only the torn one is lost.
         self._torn = path is not None and _ends_torn(path)
 
-    def append(self, timing: TaskTiming) -> bool:
-        """Write one line; False (logged once per failure streak) when it could not."""
+    def write(self, data: str) -> bool:
+        """Append ``data`` (whole lines); False (logged once per failure streak) on error."""
         if self.path is None:
             return False
-        # vars(), not dataclasses.asdict(): the fields are scalars, and asdict deep-copies
-        # each one (a third of the broker's CPU per task on a busy node).
-        line = json.dumps(vars(timing), sort_keys=True)
-        data = ("\n" if self._torn else "") + line + "\n"
-        raw = data.encode()
+        raw = (("\n" if self._torn else "") + data).encode()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
@@ -62,8 +62,9 @@ class TimingsLog:
             if not self._failing:
                 self._failing = True
                 log.warning(
-                    "cannot write the timing history %s (%s); serving on without it and "
-                    "retrying with each task",
+                    "cannot write the %s %s (%s); serving on without it and retrying with "
+                    "each task",
+                    self.what,
                     self.path,
                     exc,
                 )
@@ -71,17 +72,35 @@ class TimingsLog:
         self._torn = False
         if self._failing:
             self._failing = False
-            log.info("writing the timing history %s works again", self.path)
+            log.info("writing the %s %s works again", self.what, self.path)
         if stat.S_ISREG(info.st_mode) and info.st_size > self.max_bytes:
-            self._rotate()
+            self.rotate()
         return True
 
-    def _rotate(self) -> None:
-        assert self.path is not None
+    def rotate(self) -> None:
+        """Keep one generation: ``<file>`` becomes ``<file>.1``."""
+        if self.path is None:
+            return
         try:
             os.replace(self.path, f"{self.path}.1")
         except OSError as exc:
-            log.warning("cannot rotate the timing history %s: %s", self.path, exc)
+            log.warning("cannot rotate the %s %s: %s", self.what, self.path, exc)
+            return
+        if self.on_rotate is not None:
+            self.on_rotate()
+
+
+class TimingsLog(JsonLines):
+    """Appends :class:`TaskTiming` lines to ``path`` (``None``: keeps no history)."""
+
+    def __init__(self, path: Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        super().__init__(path, max_bytes, "timing history")
+
+    def append(self, timing: TaskTiming) -> bool:
+        """Write one line; False (logged once per failure streak) when it could not."""
+        # vars(), not dataclasses.asdict(): the fields are scalars, and asdict deep-copies
+        # each one (a third of the broker's CPU per task on a busy node).
+        return self.write(json.dumps(vars(timing), sort_keys=True) + "\n")
 
 
 def _ends_torn(path: Path) -> bool:

@@ -30,8 +30,10 @@ from cpq.broker.config import BrokerConfig
 from cpq.broker.model import Client, Group, Rank, Totals
 from cpq.broker.pools import Pools, ProcessFactory, real_process
 from cpq.broker.tasks import Tasks
+from cpq.broker.timeline import Timeline
 from cpq.broker.transport import BrokerAlreadyRunning, Transport
 from cpq.protocol import PoolSpec
+from cpq.timeline.records import timeline_path
 
 log = logging.getLogger("cpq.broker")
 
@@ -86,6 +88,11 @@ class Broker:
         self.transport.on_client_gone = self._client_gone
         self.totals = Totals()
         self.clients: dict[bytes, Client] = {}
+        self.timeline = Timeline(
+            timeline_path(config.timings_file) if config.timings_file else None,
+            config.timings_max_bytes,
+            self.clock,
+        )
         self.pools = Pools(
             config,
             self.clock,
@@ -93,6 +100,7 @@ class Broker:
             self.transport.send_rank,
             self.transport.backend_endpoint,
             process_factory,
+            self.timeline,
         )
         self.tasks = Tasks(
             config,
@@ -102,6 +110,7 @@ class Broker:
             self.pools.resources,
             self.transport.send_client,
             self.transport.send_rank,
+            self.timeline,
         )
         self.started_at = self.clock.time()
         self.idle_since = self.clock.monotonic()
@@ -160,6 +169,7 @@ class Broker:
 
     def close(self) -> None:
         self.pools.close(time.sleep)
+        self.timeline.flush()
         self.transport.close()
         log.info("broker stopped")
 
@@ -211,6 +221,7 @@ class Broker:
     def client_hello(self, client: Client, message: protocol.Hello) -> None:
         client.info = message.client
         client.greeted = True
+        self.timeline.hello(client)
         self.transport.send_client(client.identity, protocol.Welcome(self.describe()))
 
     def client_status(self, client: Client, message: protocol.StatusRequest) -> None:
@@ -385,6 +396,7 @@ class Broker:
         self.pools.keep_spares(may_start=not (self.stopping or self.draining or self.tasks.queues))
         self.settle()  # a spare that could not even start is a failure to carry out
         self._say_why_waiting(now)
+        self.timeline.flush()
         if self.draining and not self.tasks.tasks:
             self.stop_now("drained")
         if self.tasks.tasks or self.clients:

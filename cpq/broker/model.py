@@ -61,6 +61,9 @@ class Client:
     #: The task variables of its last submit: what a submit with ``env_same`` means (None:
     #: unknown; a client that can say ``env_same`` always sends a map, if empty).
     last_env: dict[str, str] | None = None
+    #: Who it is and which pytest session it serves, for the timeline (set by its hello).
+    timeline_name: str = ""
+    session: str = ""
 
     def local_pid(self) -> int | None:
         """The client's pid if this broker can look at its process: same host and same pid
@@ -119,6 +122,13 @@ class Task:
     spawn_wait_s: float | None = None
     #: Attempt 1's infra failure: (reason, detail), shown once in the verdict.
     first_failure: tuple[str, str] = ("", "")
+    #: For the timeline: wall clock when this attempt was queued and started (0: not yet),
+    #: whether it was its group's first task, and the client and session it came from.
+    queued_wall: float = 0.0
+    started_wall: float = 0.0
+    first_on_group: bool = False
+    client_name: str = ""
+    session: str = ""
 
     @property
     def key(self) -> str:

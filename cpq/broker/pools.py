@@ -24,6 +24,7 @@ from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals
 from cpq.broker.scheduler import Resources
+from cpq.broker.timeline import Timeline
 from cpq.protocol import PoolSpec
 
 log = logging.getLogger("cpq.broker")
@@ -71,6 +72,7 @@ class Pools:
         send_rank: Callable[[bytes, bytes], bool],
         backend_endpoint: str,
         process_factory: ProcessFactory = real_process,
+        timeline: Timeline | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -78,6 +80,7 @@ class Pools:
         self.send_rank = send_rank
         self.backend_endpoint = backend_endpoint
         self.process_factory = process_factory
+        self.timeline = timeline or Timeline(None, 0, clock)
         self.resources = Resources(config.gpus, config.max_ranks, config.oversubscribe)
         self.groups: dict[str, Group] = {}
         self.ranks: dict[bytes, tuple[Group, Rank]] = {}
@@ -167,6 +170,7 @@ class Pools:
         )
         self.groups[group_id] = group
         self.totals.groups_started += 1
+        self.timeline.spawn(group)
         try:
             process.start()
         except OSError as exc:
@@ -204,14 +208,18 @@ class Pools:
                         victim.spec.label(),
                         spec.label(),
                     )
-                    self.stop(victim, f"evicted for {spec.label()}", recycled=False)
+                    self.stop(
+                        victim, f"evicted for {spec.label()}", recycled=False, cause="evicted"
+                    )
                 return
 
-    def stop(self, group: Group, reason: str, recycled: bool = True) -> None:
+    def stop(self, group: Group, reason: str, recycled: bool = True, cause: str = "") -> None:
         """Stop a group; ``recycled``: replaced because of what happened to it (a failure,
-        a deadline, changed code, a cancel, a bound), not to make room for another spec."""
+        a deadline, changed code, a cancel, a bound), not to make room for another spec.
+        ``cause`` is the timeline's word for it (default: "recycled")."""
         if group.state == "stopping":
             return
+        self.timeline.stop(group, reason, cause or "recycled")
         if recycled:
             self.totals.groups_recycled += 1
         log.info("stopping group %s (%s): %s", group.id, group.spec.label(), reason)
@@ -233,7 +241,7 @@ class Pools:
             group, reason, group.task, group.state == "starting", group.process.log_tail()
         )
         self.totals.groups_failed += 1
-        self.stop(group, reason)
+        self.stop(group, reason, cause="failed")
         log.warning("group %s failed: %s", group.id, reason)
         self.failures.append(failure)
 
@@ -260,7 +268,7 @@ class Pools:
             unused = not self.spares.recent(group.spec, now)
             if group.spare and group.state != "stopping" and unused:
                 why = f"spare unused: no task of its spec for {self.spares.window_s:g}s"
-                self.stop(group, why, recycled=False)
+                self.stop(group, why, recycled=False, cause="spare-unused")
         if not may_start:
             return
         for spec in wanted:
@@ -336,6 +344,7 @@ class Pools:
         group.ready_at = group.last_used = now
         group.ready_after_s = now - group.started_at
         self.totals.group_start_s += group.ready_after_s
+        self.timeline.ready(group)
         log.info("group %s (%s) ready in %.2fs", group.id, group.spec.label(), group.ready_after_s)
         return True
 
@@ -359,6 +368,7 @@ class Pools:
             if group.process.reap(now):
                 self.resources.release(group.spec, group.process.gpus)
                 del self.groups[group.id]
+                self.timeline.gone(group)
             return
         code = group.process.exit_code()
         if code is not None:
@@ -389,6 +399,8 @@ class Pools:
         """Kill every group and wait (a bounded time) until they are gone."""
         now = self.clock.monotonic()
         for group in list(self.groups.values()):
+            if group.state != "stopping":
+                self.timeline.stop(group, "the broker stopped", "shutdown")
             group.process.terminate(now)
         deadline = now + self.config.kill_grace_s + 2
         while (now := self.clock.monotonic()) < deadline and not all(
@@ -398,3 +410,4 @@ class Pools:
         for group in self.groups.values():
             group.process.terminate(now)
             group.process.reap(now)
+            self.timeline.gone(group)

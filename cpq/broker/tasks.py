@@ -22,6 +22,7 @@ from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.model import Client, Group, Task, Totals, task_key
 from cpq.broker.scheduler import Queues, Resources
+from cpq.broker.timeline import Timeline
 from cpq.broker.verdicts import Verdicts, join, verdict, where
 from cpq.protocol import RankError, RankResult
 from cpq.timings import fmt_seconds
@@ -53,6 +54,7 @@ class Tasks:
         resources: Resources,
         send_client: Callable[[bytes, protocol.Message | bytes], None],
         send_rank: Callable[[bytes, bytes], bool],
+        timeline: Timeline | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -66,7 +68,8 @@ class Tasks:
         self.group_requests: list[GroupRequest] = []
         self.draining = False
         self.admission = Admission(resources)
-        self.verdicts = Verdicts(config, clock, totals, clients, send_client)
+        self.timeline = timeline or Timeline(None, 0, clock)
+        self.verdicts = Verdicts(config, clock, totals, clients, send_client, self.timeline)
 
     # ---- admission
 
@@ -96,6 +99,8 @@ class Tasks:
             return
         self.tasks[task.key] = task
         client.in_flight.add(task.key)
+        task.client_name, task.session = client.timeline_name, client.session
+        self.timeline.queued(task)
         self.queues.push(task)
 
     def cancel(self, client: Client, task_id: str) -> None:
@@ -113,6 +118,7 @@ class Tasks:
         dropped = self.queues.remove(lambda t: t.client == client.identity)
         for task in dropped:
             self.tasks.pop(task.key, None)
+            self.timeline.attempt(task, "dropped: its client went away", "")
         for key in list(client.in_flight):
             running = self.tasks.get(key)
             if running is not None and running.group is not None:
@@ -151,6 +157,7 @@ class Tasks:
         task.group = group
         task.last_group_id = group.id
         task.started_at = now
+        self.timeline.started(task, group)
         task.deadline = now + task.timeout_s
         task.results.clear()
         task.pg_seqs.clear()
@@ -199,6 +206,7 @@ class Tasks:
         runs nothing more, and the task goes to a fresh group. Not an attempt: nothing ran
         (a rank that did start is stopped with the group)."""
         self.group_requests.append(GroupRequest(group, f"code changed: {path}"))
+        self.timeline.attempt(task, "bounced: code changed", group.id)
         task.groups.pop()
         self._unassign(task)
         task.stale_bounces += 1
@@ -219,6 +227,7 @@ class Tasks:
                 task.submit.target,
             )
             task.queued_at = self.clock.monotonic()
+            self.timeline.queued(task)
             self.queues.push(task, front=True)
 
     def _interrupted(self, task: Task, group: Group) -> None:
@@ -365,6 +374,7 @@ class Tasks:
         """
         where = f" on group {group_id}" if group_id else ""
         if task.attempts == 1:
+            self.timeline.attempt(task, f"retried: {reason}", group_id)
             task.attempts = 2
             task.notes.append(
                 f"{protocol.RETRY_NOTE} attempt 1{where}: {reason}; retried on a fresh group"
@@ -373,6 +383,7 @@ class Tasks:
             self.totals.retries += 1
             log.info("retrying %s: %s", task.submit.target, reason)
             task.queued_at = self.clock.monotonic()
+            self.timeline.queued(task)
             self.queues.push(task, front=front)
             return
         task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt 2{where}: {reason}")

@@ -17,6 +17,7 @@ from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.history import History, TimingsLog
 from cpq.broker.model import Client, Task, Totals
+from cpq.broker.timeline import Timeline
 from cpq.protocol import RankResult, TaskResult
 from cpq.timings import TaskTiming, history_key, read
 
@@ -33,6 +34,7 @@ class Verdicts:
         totals: Totals,
         clients: dict[bytes, Client],
         send_client: Callable[[bytes, protocol.Message | bytes], None],
+        timeline: Timeline | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -40,6 +42,8 @@ class Verdicts:
         self.clients = clients
         self.send_client = send_client
         self.timings = TimingsLog(config.timings_file, config.timings_max_bytes)
+        self.timeline = timeline or Timeline(None, 0, clock)
+        self.timings.on_rotate = self.timeline.file.rotate  # one generation of each, together
         self.history = History()
         if config.adaptive_timeout and config.timings_file is not None:
             loaded = self.history.load(read(config.timings_file))
@@ -112,6 +116,7 @@ class Verdicts:
                 frame = protocol.encode_for(protocol.Done(result), features)
             self.send_client(task.client, frame)
         # After the send: the client waits for the verdict, not for the history's disk write.
+        self.timeline.attempt(task, outcome, task.last_group_id)
         if timing is not None:
             self.record(timing)
 

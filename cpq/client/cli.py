@@ -45,6 +45,10 @@ def _status_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--top", type=int, default=10, help="--timings: how many slowest runs to list"
     )
+    from cpq.timeline import command as timeline
+
+    timeline.add_output_arguments(parser)
+    timeline.add_window_arguments(parser)
     return parser
 
 
@@ -77,6 +81,10 @@ def _run_status(args: argparse.Namespace) -> int:
 
     if args.timings:
         return _run_timings(args)
+    if args.trace or args.timeline:
+        from cpq.timeline.command import status_pictures
+
+        return status_pictures(args, args.file or paths.state_dir() / TIMINGS_FILE)
     endpoint = args.endpoint or paths.default_endpoint()
     in_place = bool(args.watch) and not (args.json or args.prometheus) and sys.stdout.isatty()
     first = True

@@ -21,6 +21,7 @@ import functools
 import os
 import sys
 import sysconfig
+import uuid
 from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -82,6 +83,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # --------------------------------------------------------------------------- session
 
 
+def session_id(config: pytest.Config) -> str:
+    """One id for a pytest session and all its xdist workers: what ``cpq-status --trace
+    --session last`` picks. A worker has its controller's ``testrunuid``; a controller
+    that was given none sets the one xdist will hand its workers."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput.get("testrunuid"):
+        return str(workerinput["testrunuid"])
+    given = getattr(config.option, "testrunuid", None)
+    if given:
+        return str(given)
+    sid = uuid.uuid4().hex
+    if hasattr(config.option, "testrunuid"):
+        config.option.testrunuid = sid
+    return sid
+
+
 @dataclass
 class Stats:
     tasks: int = 0
@@ -120,6 +137,7 @@ class CpqSession:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
+        self.session_id = session_id(config)
         self.endpoint = (
             config.getoption("cpq_endpoint")
             or os.environ.get(paths.ENDPOINT_VAR)
@@ -165,7 +183,9 @@ class CpqSession:
                 return None
             from cpq.client.api import Client
 
-            self._client = Client(endpoint, name="pytest", connect_timeout_s=timeout_s)
+            self._client = Client(
+                endpoint, name="pytest", connect_timeout_s=timeout_s, info=self.client_info
+            )
         status: dict[str, Any] = self._client.status(timeout_s=timeout_s)
         return status
 
@@ -181,8 +201,13 @@ class CpqSession:
             endpoint = self.resolved_endpoint()
             if self.autostart and endpoint.startswith("ipc://"):
                 self.started_broker = ensure_broker(endpoint)
-            self._client = Client(endpoint, name="pytest")
+            self._client = Client(endpoint, name="pytest", info=self.client_info)
         return self._client
+
+    @property
+    def client_info(self) -> dict[str, Any]:
+        """What the broker's timeline says of this client: its pytest session."""
+        return {"session": self.session_id}
 
     def roots(self) -> list[str]:
         """The spec's import roots: rootdir and PYTHONPATH, as ``cpq submit`` run from the

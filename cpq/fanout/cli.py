@@ -47,6 +47,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         help="merge only this run's results (CPQ_RUN_ID of the shards); results of other "
         "runs are listed and ignored. Without it, results of several runs are exit 2",
     )
+    from cpq.timeline.command import add_output_arguments
+
+    add_output_arguments(parser)  # --trace/--timeline: every shard's groups on one axis
 
 
 def run_merge(args: argparse.Namespace) -> int:
@@ -63,6 +66,14 @@ def run_merge(args: argparse.Namespace) -> int:
     if report.exit_code == EXIT_INCOMPLETE:
         print("nothing written: the run is incomplete (exit 2)")
         return EXIT_INCOMPLETE
+    if args.trace or args.timeline:
+        from cpq.timeline.command import merge_pictures
+
+        shards = [
+            (Path(m.path), f"shard {m.index}/{m.count} {m.hostname}") for m in report.manifests
+        ]
+        if merge_pictures(shards, args.trace, args.timeline):
+            return EXIT_USAGE
     try:
         if args.junit is not None:
             junit.write(args.junit, report.manifests)

@@ -187,8 +187,10 @@ def read(path: Path) -> Manifest:
 
 
 def own_files(directory: Path, index: int, count: int) -> list[Path]:
-    """Shard ``index`` of ``count``'s result files in ``directory`` (manifest, JUnit)."""
-    return [directory / f"{stem(index, count)}{suffix}" for suffix in (".json", ".xml")]
+    """Shard ``index`` of ``count``'s result files in ``directory`` (manifest, JUnit, the
+    node's timeline for ``cpq merge --trace``)."""
+    suffixes = (".json", ".xml", ".timeline.jsonl")
+    return [directory / f"{stem(index, count)}{suffix}" for suffix in suffixes]
 
 
 def find(inputs: list[Path]) -> list[Path]:

@@ -279,6 +279,7 @@ class FanoutPlugin:
         if self.results is not None:
             manifest.write(self.results)
             junit.write(self.results / f"{stem(manifest.index, manifest.count)}.xml", [manifest])
+            self._export_timeline(manifest, self.results)
         if self.write_durations:
             walls = manifest.durations()
             walls |= {SPAWN_PREFIX + k: v for k, v in manifest.spawn_s.items()}
@@ -288,6 +289,22 @@ class FanoutPlugin:
                 session.config.issue_config_time_warning(
                     pytest.PytestWarning(f"cpq: could not write durations: {exc}"), stacklevel=2
                 )
+
+    def _export_timeline(self, manifest: Manifest, results: Path) -> None:
+        """This node's timeline since the session started, beside the manifest, for ``cpq
+        merge --trace/--timeline`` (nothing when the broker keeps no history here)."""
+        from cpq import paths
+        from cpq.timeline.command import export_shard
+        from cpq.timings import TIMINGS_FILE
+
+        out = results / f"{stem(manifest.index, manifest.count)}.timeline.jsonl"
+        ran = sum(1 for test_id in manifest.tests if test_id in self.specs)
+        try:
+            export_shard(out, paths.state_dir() / TIMINGS_FILE, manifest.started_at, ran, 2.0)
+        except OSError as exc:
+            self.config.issue_config_time_warning(
+                pytest.PytestWarning(f"cpq: could not export the timeline: {exc}"), stacklevel=2
+            )
 
     def _spawn_costs(self) -> dict[str, float]:
         """Per pool spec, the seconds this shard's tests waited for its groups to start, as

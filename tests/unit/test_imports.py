@@ -19,6 +19,15 @@ SHARED = {
     "cpq.environ",
     "cpq.wirecheck",
     "cpq.specs",
+    # the timeline's format and pictures: read by the broker, the status CLI and the merge
+    "cpq.timeline",
+    "cpq.timeline.records",
+    "cpq.timeline.run",
+    "cpq.timeline.layout",
+    "cpq.timeline.summary",
+    "cpq.timeline.trace",
+    "cpq.timeline.html",
+    "cpq.timeline.command",
 }
 # A process folder may import the shared leaves and the folders listed here, nothing else.
 FOLDERS = {
