@@ -124,6 +124,16 @@ def gpu_filter(spec_env: Mapping[str, str]) -> list[str] | None:
     return [] if not ids or ids[0] == "-1" else ids
 
 
+#: Variables that keep NVLink multicast off. Forced in every group's start environment and
+#: again in every task's (:func:`task_environ`), whatever the caller's shell or ``env=``
+#: says: a program that uses multicast can take a shared host's GPUs out of service.
+MULTICAST_OFF_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
 def task_environ(
     caller: Mapping[str, str],
     group: Mapping[str, str],
@@ -151,6 +161,7 @@ def task_environ(
         if name not in env and not is_launcher_var(name) and not is_start_var(name, extra):
             env[name] = value
     env.update(kept)
+    env.update(MULTICAST_OFF_ENV)  # not a start variable of every library: forced per task
     return env
 
 

@@ -39,13 +39,9 @@ OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 RETRY_NOTE = "[CPQ-RETRY]"
 RETRY_FAIL_NOTE = "[CPQ-RETRY-FAIL]"
 
-# Variables that keep NVLink multicast off; set in every environment cpq builds for a group
-# because a program that uses multicast can take a shared host's GPUs out of service.
-MULTICAST_OFF_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+# Variables that keep NVLink multicast off (owned by cpq.environ, which forces them on every
+# group and every task); re-exported here, where tools and tests have long found them.
+MULTICAST_OFF_ENV = environ.MULTICAST_OFF_ENV
 
 
 class EncodeError(TypeError):

@@ -239,6 +239,23 @@ def test_each_task_sees_the_callers_variables_of_its_submit(
     assert len(group_ids) == 1  # one warm group throughout
 
 
+def test_multicast_stays_off_whatever_the_caller_sets(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVLink multicast can take a shared host's GPUs out of service: every group runs with
+    it off, also when the caller's shell or the task's ``env=`` turns it on."""
+    names = sorted(protocol.MULTICAST_OFF_ENV)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the caller's shell
+    result = client.submit(
+        "workers.collectives:getenv",
+        1,
+        {"names": names},
+        env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NVSHMEM_DISABLE_NVLS": "0"},
+    )
+    assert result.outcome == "passed", explain(result)
+    assert result.ranks[0].value == protocol.MULTICAST_OFF_ENV
+
+
 def test_flooded_output_is_bounded_keeping_head_and_tail(client: Client) -> None:
     result = client.submit("workers.faults:flood_output", WS, {"megabytes": 20})
     assert result.outcome == "passed", explain(result)

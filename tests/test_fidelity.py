@@ -412,17 +412,19 @@ def test_ctrl_c_frees_the_group_and_the_next_session_does_not_wait(
         assert session.poll() is None, session.communicate()[0]
         assert time.monotonic() < deadline, "the long test never started"
         time.sleep(0.05)
-    interrupted = time.monotonic()
-    session.send_signal(signal.SIGINT)  # Ctrl-C
-    session.communicate(timeout=60)
     with Client(warm_broker) as client:
+        interrupted = time.monotonic()
+        session.send_signal(signal.SIGINT)  # Ctrl-C
+        # README: a client that goes away has its running tasks interrupted within ~3 s
         wait_for_status(
             client,
             "no busy group",
             lambda s: not any(p["state"] == "busy" for p in s["pools"]),
-            within=15,
+            within=60,
         )
-    assert time.monotonic() - interrupted < 15
+        freed_after = time.monotonic() - interrupted
+    session.communicate(timeout=60)
+    assert freed_after < 3.5, f"the group was busy {freed_after:.1f}s after Ctrl-C"
     verdicts, output = run_pytest(tmp_path, env, "-k", "quick")
     assert verdicts == {"test_quick": "passed"}, output
     assert "waiting for" not in output
