@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -297,5 +298,101 @@ def test_a_group_starts_while_the_rest_of_the_suite_is_collected(
         result.assert_outcomes(passed=2)
         during = json.loads(out.read_text())
         assert during and set(during) <= {"starting", "idle"}, during
+    finally:
+        stop_broker(process)
+
+
+RANK_OUTPUT = """
+import torch.distributed as dist
+import pytest
+
+
+@pytest.mark.cpq(world_size=2)
+def test_talks():
+    print(f"hello from {dist.get_rank()}")
+"""
+
+
+def test_dash_s_prints_each_ranks_output_with_its_rank(
+    pytester: pytest.Pytester, suite_env: str
+) -> None:
+    """With ``-s`` (no capture) each rank's output reaches the terminal after the task, every
+    line labelled with its rank (README "Reports": not live)."""
+    pytester.makepyfile(test_talks=RANK_OUTPUT)
+    result = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    out = result.stdout.str()
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+HOLDER = """
+import os, time
+import pytest
+
+
+@pytest.mark.cpq(world_size=1, env={"CPQ_TEST_POOL": "holder"})
+def test_hold():
+    open(os.environ["MYPROJ_HELD"], "a").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["MYPROJ_RELEASE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+WAITER = """
+import pytest
+
+
+@pytest.mark.cpq(world_size=1, env={"CPQ_TEST_POOL": "waiter"})
+def test_wait():
+    pass
+"""
+
+
+def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
+    """A broker with room for one CPU rank, held by another session's busy group: the
+    waiting test says why on the terminal after 3 s (README), then runs once freed."""
+    from conftest import start_broker, stop_broker
+
+    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "1", "--spares", "0")
+    try:
+        (tmp_path / "holder").mkdir()
+        (tmp_path / "waiter").mkdir()
+        (tmp_path / "holder" / "test_hold.py").write_text(HOLDER)
+        (tmp_path / "waiter" / "test_wait.py").write_text(WAITER)
+        held, release = tmp_path / "held", tmp_path / "release"
+        env = dict(
+            os.environ,
+            CPQ_ENDPOINT=endpoint,
+            PYTHONPATH=str(ROOT),
+            MYPROJ_HELD=str(held),
+            MYPROJ_RELEASE=str(release),
+        )
+        command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+        holder = subprocess.Popen(command, cwd=tmp_path / "holder", env=env)
+        deadline = time.monotonic() + 120
+        while not held.exists():
+            assert holder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        waiter = subprocess.Popen(
+            command,
+            cwd=tmp_path / "waiter",
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert waiter.stdout is not None
+        lines = []
+        for line in waiter.stdout:  # until the notice: then free the room
+            lines.append(line)
+            if "waiting for a ws1" in line:
+                break
+        release.touch()
+        rest, _ = waiter.communicate(timeout=120)
+        out = "".join(lines) + rest
+        assert holder.wait(timeout=60) == 0
+        assert waiter.returncode == 0, out
+        why = r"waiting for a ws1/\S+ CPQ_TEST_POOL=waiter group \(\w+\): none yet; 0 of 1 CPU"
+        assert re.search(why, out), out
     finally:
         stop_broker(process)
