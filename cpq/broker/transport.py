@@ -8,7 +8,11 @@
 Knows frames and identities, nothing of clients, tasks or groups: a client that has gone
 (``EHOSTUNREACH``) is reported to ``on_client_gone``; a rank that cannot be reached is
 reported by :meth:`Transport.send_rank`'s return value. Nothing here blocks: a frame a
-client's pipe cannot take now waits in the outbox, flushed every tick.
+client's pipe cannot take now waits in that client's backlog, flushed every tick, and every
+later frame to that client waits behind it (a client pairs replies with requests in order:
+a verdict or a status reply must never overtake an earlier frame). A client whose backlog
+passes :data:`MAX_BACKLOG` frames cannot keep up: it is reported gone (its tasks are
+dropped) rather than letting the broker's memory grow without bound.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import errno
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +32,11 @@ from cpq import __version__, lockfile, protocol, security
 from cpq.broker.config import BrokerConfig
 
 log = logging.getLogger("cpq.broker")
+
+
+#: Frames one client may have waiting for room in its pipe before it counts as gone. The
+#: pipe itself holds 100,000 (SNDHWM); this is what a client that stopped reading costs.
+MAX_BACKLOG = 10_000
 
 
 class BrokerAlreadyRunning(RuntimeError):
@@ -44,7 +54,8 @@ class Transport:
         self.config = config
         self.backend_endpoint = backend_endpoint_for(config.state_dir)
         self.on_client_gone: Callable[[bytes], None] = lambda identity: None
-        self._outbox: list[tuple[bytes, bytes]] = []
+        #: Per client, in order, the frames its pipe had no room for yet.
+        self._outbox: dict[bytes, deque[bytes]] = {}
         self._heartbeat = protocol.encode(protocol.Heartbeat())
         self._lock_file: IO[str] | None = None
         self._authenticator: Any = None
@@ -132,16 +143,35 @@ class Transport:
 
     def send_client(self, identity: bytes, message: protocol.Message | bytes) -> None:
         frame = message if isinstance(message, bytes) else protocol.encode(message)
+        backlog = self._outbox.get(identity)
+        if backlog is not None:  # behind earlier frames: never overtake them
+            if frame is not self._heartbeat:  # a backlog delivered is sign of life enough
+                backlog.append(frame)
+                if len(backlog) > MAX_BACKLOG:
+                    self._client_unreachable(identity, f"{len(backlog)} frames it did not read")
+            return
+        if not self._send_now(identity, frame):
+            self._outbox[identity] = deque([frame])
+
+    def _send_now(self, identity: bytes, frame: bytes) -> bool:
+        """Send one frame; False when the client's pipe has no room now."""
         assert self.frontend is not None
         try:
             self.frontend.send_multipart([identity, frame], zmq.NOBLOCK)
+            return True
         except zmq.Again:
-            self._outbox.append((identity, frame))
+            return False
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                self.on_client_gone(identity)
-            else:
-                raise
+                self._client_unreachable(identity, "unreachable")
+                return True  # nothing to keep: the client is gone
+            raise
+
+    def _client_unreachable(self, identity: bytes, why: str) -> None:
+        dropped = self._outbox.pop(identity, None)
+        if dropped:
+            log.warning("client %s cannot keep up (%s): dropping it", identity.hex(), why)
+        self.on_client_gone(identity)
 
     def send_rank(self, identity: bytes, frame: bytes) -> bool:
         """False when the rank cannot be reached (gone, or its pipe is full)."""
@@ -155,9 +185,15 @@ class Transport:
             raise
 
     def flush_outbox(self) -> None:
-        pending, self._outbox = self._outbox, []
-        for identity, frame in pending:
-            self.send_client(identity, frame)
+        """Send what each client's pipe has room for now, in order."""
+        for identity in list(self._outbox):
+            backlog = self._outbox.get(identity)
+            while backlog and self._send_now(identity, backlog[0]):
+                if identity not in self._outbox:
+                    break  # it went away while we sent
+                backlog.popleft()
+            if identity in self._outbox and not backlog:
+                del self._outbox[identity]
 
     def send_heartbeats(self, clients: Iterable[bytes], ranks: Iterable[bytes]) -> None:
         for identity in list(clients):
