@@ -58,7 +58,7 @@ def rerun_by_plugin(item: pytest.Item) -> str:
     if manager.hasplugin("rerunfailures"):
         # Imported by name: the plugin is optional (and ships no type information).
         plugin = importlib.import_module("pytest_rerunfailures")
-        if plugin.get_reruns_count(item) > 0:
+        if (plugin.get_reruns_count(item) or 0) > 0:
             return "pytest-rerunfailures"
     if manager.hasplugin("flaky"):
         function = getattr(item, "function", None)
