@@ -16,10 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import start_broker, wait_for_status
 
 from cpq import Client
-
-from conftest import start_broker, wait_for_status
 
 pytest_plugins = ["pytester"]
 
