@@ -44,7 +44,7 @@ def private_broker(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
     """A broker of its own (one spare per spec, as by default): these tests stop groups."""
-    from cpq.autostart import stop_broker
+    from cpq.client.autostart import stop_broker
 
     process, endpoint = start_broker(tmp_path_factory.mktemp("toolbox-broker"), "--max-ranks", "4")
     monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
