@@ -154,6 +154,9 @@ class TaskResult:
     #: (feature ``spawn-wait``): the group's ready time minus the attempt's queue time, 0
     #: when a warm group took it; None when no group ran it or the broker did not measure.
     spawn_wait_s: float | None = None
+    #: The rank whose failing frame waits for the client's debugger (-1: none; feature
+    #: ``pdb-relay``, see :class:`DebugAttach`).
+    debug_rank: int = -1
 
     @property
     def value(self) -> Any:
@@ -215,6 +218,13 @@ class Submit(Message):
     #: submit (feature ``env-delta``; a test session rarely changes them, and decoding ~40
     #: variables per hop was the largest CPU cost of a small task).
     env_same: bool = False
+    #: Infra failures (deadline, dead rank, a group that would not start) this task may be
+    #: run again for, each on a fresh group (feature ``task-retries``; 0: none, as when a
+    #: rerun plugin such as pytest-rerunfailures reruns the test itself).
+    retries: int = 1
+    #: ``pytest --pdb``: keep a failing rank's frame for a post-mortem relayed to the client
+    #: (feature ``pdb-relay``). -1: the lowest failing rank; N: rank N when it failed.
+    debug_rank: int | None = None
 
 
 @dataclass
@@ -388,6 +398,9 @@ class RunTask(Message):
     env: dict[str, str] | None = None
     #: ``env`` is left out: the variables are those of this group's previous task.
     env_same: bool = False
+    #: A failing rank keeps the failure's frames until the broker says whether a
+    #: post-mortem runs on it (:class:`DebugAttach`; feature ``pdb-relay``).
+    debug: bool = False
 
 
 @dataclass
@@ -407,6 +420,44 @@ class DumpStacks(Message):
 @dataclass
 class Shutdown(Message):
     KIND: ClassVar[str] = "shutdown"
+
+
+# ---- the post-mortem relay (feature ``pdb-relay``): client <-> broker <-> one rank
+
+
+@dataclass
+class DebugAttach(Message):
+    """Client -> broker -> rank: open (``start``) or give up the post-mortem of a failed
+    task whose verdict named a ``debug_rank``; either way the group is recycled after."""
+
+    KIND: ClassVar[str] = "debug_attach"
+    task_id: str
+    start: bool = True
+
+
+@dataclass
+class DebugLine(Message):
+    """Client -> broker -> rank: one line the user typed at the debugger (``eof``: stdin
+    closed, which pdb reads as ``EOF`` and quits)."""
+
+    KIND: ClassVar[str] = "debug_line"
+    task_id: str
+    line: str = ""
+    eof: bool = False
+
+
+@dataclass
+class DebugOutput(Message):
+    """Rank -> broker -> client: what the debugger printed; ``prompt``: it now reads a
+    line; ``ended``: the session is over (the user continued or quit (``quit``), or the
+    rank died)."""
+
+    KIND: ClassVar[str] = "debug_output"
+    task_id: str
+    text: str = ""
+    prompt: bool = False
+    ended: bool = False
+    quit: bool = False
 
 
 # --------------------------------------------------------------------------- encoding
@@ -526,11 +577,14 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "task-affinity": {"submit": ("affinity",)},
     "env-delta": {"submit": ("env_same",), "run": ("env_same",), "rank_ready": ("features",)},
     "spawn-wait": {"done": ("result.spawn_wait_s",)},
+    "task-retries": {"submit": ("retries",)},
+    "pdb-relay": {"submit": ("debug_rank",), "run": ("debug",), "done": ("result.debug_rank",)},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {
     "task-waiting": frozenset({"waiting"}),
     "broker-closing": frozenset({"closing"}),
+    "pdb-relay": frozenset({"debug_attach", "debug_line", "debug_output"}),
 }
 ALL_FEATURES = frozenset(FEATURE_FIELDS) | frozenset(FEATURE_KINDS)
 

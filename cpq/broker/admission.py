@@ -14,6 +14,9 @@ import os
 from cpq import protocol
 from cpq.broker.scheduler import Resources
 
+#: Infra retries one task may ask for: each costs a deadline and a fresh group.
+MAX_RETRIES = 5
+
 
 class Admission:
     """Why a submitted task must be refused ("" when it may queue)."""
@@ -32,6 +35,8 @@ class Admission:
             # NaN and inf too: a deadline that never fires lets one hung test hold a group
             # (and its GPUs) for good; heartbeats only catch dead ranks, not stuck ones.
             return f"timeout must be a positive, finite number of seconds, got {message.timeout}"
+        if not 0 <= message.retries <= MAX_RETRIES:
+            return f"retries must be between 0 and {MAX_RETRIES}, got {message.retries}"
         impossible = self.resources.impossible(message.spec)
         if impossible:
             return impossible

@@ -125,12 +125,17 @@ class Broker:
             protocol.Submit: self.client_submit,
             protocol.Cancel: lambda client, message: self.tasks.cancel(client, message.task_id),
             protocol.Warm: self.client_warm,
+            protocol.DebugAttach: lambda client, message: self.tasks.debug.attach(client, message),
+            protocol.DebugLine: lambda client, message: self.tasks.debug.line(client, message),
         }
         self.rank_handlers: dict[type[protocol.Message], RankHandler] = {
             protocol.Heartbeat: lambda group, rank, message: None,
             protocol.RankReady: self.rank_ready,
             protocol.RankDone: self.rank_done,
             protocol.RankStacks: lambda group, rank, message: self.tasks.rank_stacks(
+                group, rank.rank, message
+            ),
+            protocol.DebugOutput: lambda group, rank, message: self.tasks.debug.output(
                 group, rank.rank, message
             ),
         }
@@ -391,6 +396,7 @@ class Broker:
         self.pools.tick(now)
         self.settle()
         self.tasks.tick(now)
+        self.tasks.debug.tick()
         self.settle()  # also: queued tasks may have waited long enough to grow a pool
         # Spares take free room only when nothing is queued (queued tasks come first).
         self.pools.keep_spares(may_start=not (self.stopping or self.draining or self.tasks.queues))

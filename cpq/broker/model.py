@@ -129,6 +129,8 @@ class Task:
     first_on_group: bool = False
     client_name: str = ""
     session: str = ""
+    #: The rank whose failing frame waits for the client's debugger (``pytest --pdb``).
+    debug_rank: int = -1
 
     @property
     def key(self) -> str:

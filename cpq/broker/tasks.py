@@ -20,6 +20,7 @@ from cpq import protocol
 from cpq.broker.admission import Admission
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
+from cpq.broker.debugging import DebugSessions
 from cpq.broker.model import Client, Group, Task, Totals, task_key
 from cpq.broker.scheduler import Queues, Resources
 from cpq.broker.timeline import Timeline
@@ -70,6 +71,12 @@ class Tasks:
         self.admission = Admission(resources)
         self.timeline = timeline or Timeline(None, 0, clock)
         self.verdicts = Verdicts(config, clock, totals, clients, send_client, self.timeline)
+        self.debug = DebugSessions(
+            clients,
+            send_client,
+            send_rank,
+            lambda group, why: self.group_requests.append(GroupRequest(group, why)),
+        )
 
     # ---- admission
 
@@ -115,6 +122,7 @@ class Tasks:
 
     def drop_client(self, client: Client) -> int:
         """The client is gone: its queued tasks are dropped, its running ones interrupted."""
+        self.debug.drop_client(client)
         dropped = self.queues.remove(lambda t: t.client == client.identity)
         for task in dropped:
             self.tasks.pop(task.key, None)
@@ -175,6 +183,7 @@ class Tasks:
             test_id=task.submit.test_id,
             env=None if same else env,
             env_same=same,
+            debug=task.submit.debug_rank is not None,
         )
         frame = protocol.encode_for(run, group.rank_features or frozenset())
         for rank in group.ranks.values():
@@ -283,8 +292,10 @@ class Tasks:
         assert group is not None
         results = [task.results[r] for r in sorted(task.results)]
         outcome, message = verdict(results, group.spec.world_size)
+        held = self.debug.open(task, group, outcome, results)  # names debug_rank: before
         self.finish(task, outcome, message=message, ranks=results)  # the verdict goes first
-        self.group_requests.append(GroupRequest(group))
+        if not held:
+            self.group_requests.append(GroupRequest(group))
 
     def _stack_ranks(self, task: Task) -> set[int]:
         assert task.group is not None
@@ -332,14 +343,16 @@ class Tasks:
                     task.stacks.get(rank_no, ""),
                 ),
             )
-        self.group_requests.append(
-            GroupRequest(group, f"rank(s) {stuck} stuck after a peer failed")
-        )
+        results = [task.results[r] for r in sorted(task.results)]
+        if not self.debug.open(task, group, "failed", results):  # recycled after the session
+            self.group_requests.append(
+                GroupRequest(group, f"rank(s) {stuck} stuck after a peer failed")
+            )
         self.finish(
             task,
             "failed",
             message=f"rank(s) {failed} failed; rank(s) {stuck} were stuck; the group was recycled",
-            ranks=[task.results[r] for r in sorted(task.results)],
+            ranks=results,
         )
 
     def infra_error(self, task: Task, reason: str, detail: str = "") -> None:
@@ -364,8 +377,10 @@ class Tasks:
     def retry_once(
         self, task: Task, reason: str, detail: str = "", group_id: str = "", front: bool = False
     ) -> None:
-        """The retry rule: a task's first infra failure queues it again (``front``: ahead of
-        its client's other tasks); the second is its verdict, ``error``.
+        """The retry rule: while a task has attempts left (``1 + submit.retries``; 0 retries
+        when a rerun plugin reruns the test itself, so attempts never multiply) an infra
+        failure queues it again (``front``: ahead of its client's other tasks); the last
+        one is its verdict, ``error``.
 
         Notes are one line each (they reach the test's stderr and JUnit); the detail of the
         failure appears once: in the error when the retry fails too (with attempt 1's when
@@ -373,21 +388,25 @@ class Tasks:
         where attempt 1 was.
         """
         where = f" on group {group_id}" if group_id else ""
-        if task.attempts == 1:
+        attempt = task.attempts
+        if attempt <= task.submit.retries:
             self.timeline.attempt(task, f"retried: {reason}", group_id)
-            task.attempts = 2
-            task.notes.append(
-                f"{protocol.RETRY_NOTE} attempt 1{where}: {reason}; retried on a fresh group"
-            )
-            task.first_failure = (reason, detail)
+            task.attempts += 1
+            note = f"attempt {attempt}{where}: {reason}; retried on a fresh group"
+            task.notes.append(f"{protocol.RETRY_NOTE} {note}")
+            if attempt == 1:
+                task.first_failure = (reason, detail)
             self.totals.retries += 1
             log.info("retrying %s: %s", task.submit.target, reason)
             task.queued_at = self.clock.monotonic()
             self.timeline.queued(task)
             self.queues.push(task, front=front)
             return
-        task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt 2{where}: {reason}")
-        message = join(f"{reason} (twice)", detail)
+        if attempt == 1:  # no retry allowed: the failure is the verdict, as it happened
+            self.finish(task, "error", message=join(reason, detail))
+            return
+        task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt {attempt}{where}: {reason}")
+        message = join(f"{reason} ({attempt} attempts)", detail)
         first_reason, first_detail = task.first_failure
         if first_detail and first_detail != detail:
             message += f"\nattempt 1 ({first_reason}):\n{first_detail}"

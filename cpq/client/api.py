@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import queue
 import socket
 import sys
 import threading
@@ -116,6 +117,7 @@ class Client:
         self._context: zmq.Context[Any] = zmq.Context()
         self._tasks: dict[str, Future[TaskResult]] = {}
         self._control: deque[Future[Any]] = deque()
+        self._debug: dict[str, queue.Queue[protocol.DebugOutput]] = {}  # task id -> output
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._failure: BrokerUnavailable | None = None
@@ -129,6 +131,7 @@ class Client:
             protocol.Welcome: self._on_reply,
             protocol.StatusReply: self._on_reply,
             protocol.ErrorReply: self._on_error,
+            protocol.DebugOutput: self._on_debug_output,
             protocol.Heartbeat: lambda message: None,  # its arrival is the point
         }
         try:
@@ -182,6 +185,8 @@ class Client:
         backend: str = "",
         on_wait: Callable[[str], None] | None = None,
         affinity: str = "",
+        retries: int = 1,
+        debug_rank: int | None = None,
     ) -> TaskResult:
         """Run ``target`` on every rank of a warm group and wait for the verdict.
 
@@ -189,6 +194,10 @@ class Client:
         still waiting for a group, a few seconds into a wait. ``affinity``: with several
         idle groups of the spec, the broker prefers the one that last ran a task with this
         key (its kernels and caches are warm for it); a broker too old to know keys ignores it.
+        ``retries``: infra failures the task is run again for, each on a fresh group.
+        ``debug_rank``: keep a failing rank's frames for :meth:`debug_attach` (-1: the
+        lowest failing rank). If this call is interrupted (Ctrl-C, pytest-timeout), the
+        task is cancelled at once: its group does not stay busy for nobody.
         """
         future = self.submit_async(
             target,
@@ -201,11 +210,18 @@ class Client:
             roots=roots,
             backend=backend,
             affinity=affinity,
+            retries=retries,
+            debug_rank=debug_rank,
             _lead=True,
         )
         task_id: str = future.task_id  # type: ignore[attr-defined]
         try:
             self._wait(future, on_wait)
+        except BaseException:
+            if not future.done():
+                with contextlib.suppress(BrokerUnavailable):
+                    self._send(protocol.Cancel(task_id=task_id))
+            raise
         finally:
             self._waiting.pop(task_id, None)
         return future.result()
@@ -249,6 +265,8 @@ class Client:
         roots: list[str] | None = None,
         backend: str = "",
         affinity: str = "",
+        retries: int = 1,
+        debug_rank: int | None = None,
         _lead: bool = False,
     ) -> Future[TaskResult]:
         """Like :meth:`submit` but returns a future; many may be in flight at once."""
@@ -267,6 +285,8 @@ class Client:
             test_id=test_id,
             env=task_env,
             affinity=affinity,
+            retries=retries,
+            debug_rank=debug_rank,
         )
         future: Future[TaskResult] = Future()
         future.task_id = message.task_id  # type: ignore[attr-defined]
@@ -282,6 +302,28 @@ class Client:
         if sent_now and not _lead:  # nobody holds the socket to read the verdict
             self._socket.kicked.set()
         return future
+
+    def debug_attach(self, task_id: str) -> queue.Queue[protocol.DebugOutput]:
+        """Open the post-mortem a failed task's verdict named (``result.debug_rank``): the
+        debugger's output arrives on the returned queue (``prompt``: answer with
+        :meth:`debug_line`; ``ended``: over). See ``cpq.broker.debugging``."""
+        output: queue.Queue[protocol.DebugOutput] = queue.Queue()
+        with self._lock:
+            self._raise_if_failed()
+            self._debug[task_id] = output
+            self._socket.send(protocol.encode(protocol.DebugAttach(task_id, start=True)))
+        self._socket.kicked.set()  # the background thread reads the debugger's output
+        return output
+
+    def debug_line(self, task_id: str, line: str, eof: bool = False) -> None:
+        self._send(protocol.DebugLine(task_id, line=line, eof=eof))
+
+    def debug_release(self, task_id: str) -> None:
+        """Give up a post-mortem nobody will open (the broker recycles the group)."""
+        with self._lock:
+            self._debug.pop(task_id, None)
+        with contextlib.suppress(BrokerUnavailable):
+            self._send(protocol.DebugAttach(task_id, start=False))
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         reply: protocol.StatusReply = self._control_request(protocol.StatusRequest(), timeout_s)
@@ -350,7 +392,9 @@ class Client:
     def _serve(self) -> None:
         """The background thread. If it dies, every caller hears of it instead of waiting."""
         try:
-            self._socket.serve(lambda: bool(self._tasks or self._control), self._closed)
+            self._socket.serve(
+                lambda: bool(self._tasks or self._control or self._debug), self._closed
+            )
         except BaseException as exc:
             log.debug("the cpq client's I/O thread failed", exc_info=True)
             self._fail_all(BrokerUnavailable(f"the cpq client's I/O thread failed: {exc!r}"))
@@ -387,6 +431,14 @@ class Client:
         if future is not None:
             future.set_result(message.result)
 
+    def _on_debug_output(self, message: protocol.DebugOutput) -> None:
+        with self._lock:
+            output = self._debug.get(message.task_id)
+            if message.ended:
+                self._debug.pop(message.task_id, None)
+        if output is not None:
+            output.put(message)
+
     def _on_waiting(self, message: protocol.Waiting) -> None:
         with self._lock:
             if message.task_id in self._tasks:
@@ -416,6 +468,9 @@ class Client:
             self._failure = error
             tasks, self._tasks = self._tasks, {}
             control, self._control = self._control, deque()
+            debug, self._debug = self._debug, {}
+        for task_id, output in debug.items():
+            output.put(protocol.DebugOutput(task_id, text=f"*** {error}\n", ended=True))
         for future in [*tasks.values(), *control]:
             if not future.done():
                 future.set_exception(error)

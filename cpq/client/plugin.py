@@ -30,7 +30,14 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
-from cpq.client.report import CpqTaskFailed, RanksRepr, report_result, travelling_args
+from cpq.client import pdb_relay, reruns, timeouts
+from cpq.client.report import (
+    SKIP_LOCATION_KEY,
+    CpqTaskFailed,
+    RanksRepr,
+    report_result,
+    travelling_args,
+)
 from cpq.fanout import plugin as fanout
 from cpq.protocol import PoolSpec, TaskResult
 
@@ -57,6 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cpq_endpoint", "broker endpoint", default="")
     parser.addini("cpq_timeout", "default per-test deadline in seconds", default="")
     parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
+    reruns.add_options(parser, group)
+    pdb_relay.add_options(group)
     fanout.add_options(parser)
 
 
@@ -67,6 +76,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "torchrun group (torch.distributed initialised)",
     )
     config.stash[SESSION_KEY] = CpqSession(config)
+    if config.pluginmanager.hasplugin("timeout"):  # pytest-timeout: cpq times marker tests
+        config.pluginmanager.register(timeouts, "cpq-timeouts")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(config), "cpq-xdist")
     session = config.stash[SESSION_KEY]
@@ -156,6 +167,8 @@ class CpqSession:
             if env_autostart is not None
             else bool(config.getini("cpq_autostart"))
         )
+        self.retries = reruns.configured(config)
+        self.debug_rank = pdb_relay.debug_rank(config)
         self.stats = Stats()
         self._client: Any = None
         self._roots: list[str] | None = None
@@ -264,6 +277,8 @@ class CpqSession:
         env: dict[str, str] | None,
         test_id: str,
         affinity: str = "",
+        retries: int | None = None,
+        debug: bool = False,
     ) -> TaskResult:
         from cpq.client.api import BrokerUnavailable
 
@@ -279,6 +294,8 @@ class CpqSession:
                     roots=self.roots(),
                     on_wait=self._say_waiting,
                     affinity=affinity,
+                    retries=self.retries if retries is None else retries,
+                    debug_rank=self.debug_rank if debug else None,
                 )
             except BrokerUnavailable as exc:
                 self.broker_gone = f"cpq: {exc}"
@@ -331,6 +348,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]
+    pdb_relay.wrap_pdb_invoke(session.config)  # after pytest's --pdb plugin is configured
     if session.config.option.collectonly or fanout.deselects(session.config):
         return  # nothing will run, or a shard: the last run's groups may be another share's
     if cache is None or (not cpq_session.autostart and not _broker_running(cpq_session)):
@@ -520,11 +538,27 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "import_paths": session.import_paths(),
     }
     target = "cpq.rank.pytest_task:run_test"
+    left = timeouts.remaining(pyfuncitem)  # under pytest-timeout: what is left of it
     result = session.submit(
-        target, world_size, kwargs, timeout, env, pyfuncitem.nodeid, _affinity(pyfuncitem)
+        target,
+        world_size,
+        kwargs,
+        left if left is not None else timeout,
+        env,
+        pyfuncitem.nodeid,
+        _affinity(pyfuncitem),
+        retries=reruns.retries_for(pyfuncitem, session.retries, timed=left is not None),
+        debug=True,
     )
+    timeouts.fail_if_timed_out(pyfuncitem, result)
+    if result.debug_rank >= 0:  # a rank waits for pytest's --pdb (cpq.client.pdb_relay)
+        pdb_relay.remember(pyfuncitem, session.client, result.task_id)
     report_result(pyfuncitem, result, pyfuncitem.nodeid)
     return True
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    pdb_relay.release_pending(item)  # a post-mortem pytest did not open (an xfail, say)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -537,6 +571,9 @@ def pytest_runtest_makereport(
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
     if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
         report.longrepr = RanksRepr(call.excinfo.value.longrepr(), str(item.path))
+    location = item.stash.get(SKIP_LOCATION_KEY, None)
+    if location is not None and report.skipped and isinstance(report.longrepr, tuple):
+        report.longrepr = (location[0], location[1], report.longrepr[2])  # the body's skip
     return report
 
 
@@ -571,7 +608,14 @@ class CpqRunner:
         env = env if env is not None else self._defaults[2]
         try:
             result = self._session.submit(
-                target, world_size, kwargs, timeout, env, self._item.nodeid, _affinity(self._item)
+                target,
+                world_size,
+                kwargs,
+                timeout,
+                env,
+                self._item.nodeid,
+                _affinity(self._item),
+                retries=reruns.retries_for(self._item, self._session.retries, timed=False),
             )
         except protocol.EncodeError as exc:
             pytest.fail(str(exc), pytrace=False)
@@ -606,8 +650,8 @@ class _XdistController:
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     session = config.stash[SESSION_KEY]
     stats = session.stats
-    if not stats.tasks:
-        return
+    if not stats.tasks or config.get_verbosity() <= -2:
+        return  # -qq: pytest's own summary only
     retries = f"{stats.retries} retr{'y' if stats.retries == 1 else 'ies'}"
     line = f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {retries}"
     line += f"; {stats.spawn_wait_s:.1f}s waiting for groups to start (measured by the broker)"

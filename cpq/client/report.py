@@ -9,6 +9,8 @@ itself instead of failing on the wire.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from typing import Any
 
@@ -21,6 +23,11 @@ from cpq.protocol import TaskResult
 
 #: Fixtures a marker test cannot use: they live in the pytest process, not on the ranks.
 RESERVED_FIXTURES = {"cpq", "request"}
+#: Where the body took its skip (file, line), for the report's location.
+SKIP_LOCATION_KEY = pytest.StashKey[tuple[str, int]]()
+_FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+)', re.M)
+#: Frames of these packages are not where the user's skip is (pytest.skip's own frames).
+_NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(pytest.__file__))) + os.sep,)
 
 
 class CpqTaskFailed(Exception):
@@ -64,12 +71,14 @@ def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
         for stream, text in (("stdout", rank.stdout), ("stderr", rank.stderr)):
             if not text:
                 continue
+            # Every line keeps its rank: JUnit's <system-out> joins the sections unlabelled.
+            labelled = "".join(f"[rank {rank.rank}] {line}" for line in text.splitlines(True))
             if streaming:
                 out = sys.stdout if stream == "stdout" else sys.stderr
-                out.write("".join(f"[rank {rank.rank}] {line}" for line in text.splitlines(True)))
+                out.write(labelled)
                 out.flush()
             else:
-                item.add_report_section("call", f"{stream} rank {rank.rank}", text)
+                item.add_report_section("call", f"{stream} rank {rank.rank}", labelled)
     shown = {failed[0].error.traceback} if failed and failed[0].error else set()
     for rank in failed[1:]:
         if rank.error is not None:
@@ -81,8 +90,23 @@ def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
     if result.outcome == "passed":
         return
     if result.outcome == "skipped":
+        first = result.ranks[0].error if result.ranks else None
+        location = skip_location(first.traceback if first is not None else "")
+        if location is not None:
+            item.stash[SKIP_LOCATION_KEY] = location
         pytest.skip(result.message or "skipped on every rank")
     raise CpqTaskFailed(result, target)
+
+
+def skip_location(traceback: str) -> tuple[str, int] | None:
+    """The user's frame that took a skip on a rank (its traceback's last frame outside
+    pytest and cpq): a fresh run reports the skip there, not where cpq re-raised it."""
+    found = None
+    for match in _FRAME.finditer(traceback):
+        path = match["path"]
+        if not path.startswith(_NOT_USER) and "/_pytest/" not in path:
+            found = (path, int(match["line"]))
+    return found
 
 
 def travelling_args(item: pytest.Function) -> dict[str, Any]:

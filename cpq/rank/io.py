@@ -94,6 +94,8 @@ class Link:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.main_thread_id = threading.main_thread().ident
         self.tasks: deque[protocol.RunTask] = deque()  # arrived while the watchdog held it
+        #: The post-mortem relay's frames (``cpq.rank.pdb_relay``), in order of arrival.
+        self.debug: deque[protocol.DebugAttach | protocol.DebugLine] = deque()
         self.shutting_down = False
         #: Bumped by the main thread when it starts a task; the watchdog takes the socket
         #: only from a task it saw at two ticks in a row (a short task never wakes it).
@@ -110,6 +112,8 @@ class Link:
             protocol.DumpStacks: self._on_dump_stacks,
             protocol.Shutdown: self._on_shutdown,
             protocol.Heartbeat: lambda message: None,  # its arrival is the point
+            protocol.DebugAttach: self.debug.append,  # the post-mortem relay's, in order
+            protocol.DebugLine: self.debug.append,
         }
 
     # ---- the main thread's side
@@ -134,6 +138,31 @@ class Link:
                 return None
             self.pump(int(self.config.heartbeat_s * 500))
         return self.tasks.popleft()
+
+    def next_debug(self, task_id: str) -> protocol.DebugAttach | None:
+        """Wait for the broker's word on ``task_id``'s post-mortem; ``None``: shut down, or
+        the broker moved on (it sent the next task: the verdict held no post-mortem)."""
+        while not self.shutting_down and not self.tasks:
+            while self.debug:
+                message = self.debug.popleft()
+                if isinstance(message, protocol.DebugAttach) and message.task_id == task_id:
+                    return message
+            self.pump(int(self.config.heartbeat_s * 500))
+        return None
+
+    def next_debug_line(self, task_id: str) -> protocol.DebugLine | None:
+        """Wait for the user's next line at the debugger; ``None``: given up or shut down."""
+        while not self.shutting_down:
+            while self.debug:
+                message = self.debug.popleft()
+                if message.task_id != task_id:
+                    continue
+                if isinstance(message, protocol.DebugLine):
+                    return message
+                if not message.start:  # the client gave the session up
+                    return None
+            self.pump(int(self.config.heartbeat_s * 500))
+        return None
 
     # ---- either side, holding the lock
 

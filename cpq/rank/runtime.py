@@ -26,7 +26,7 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel
+from cpq.rank import cancel, pdb_relay
 from cpq.rank.capture import FdCapture
 from cpq.rank.freshness import CodeWatch
 from cpq.rank.io import CPQ_DIR, Link, RankConfig, Watchdog, hard_exit
@@ -183,6 +183,8 @@ def run_task(
                 outcome = "skipped" if _is_skip(exc) else "failed"
                 error = _describe(exc)
                 value = None
+                if task.debug and outcome == "failed":
+                    pdb_relay.keep(exc)  # its frames, for a post-mortem (pytest --pdb)
     except BaseException as exc:  # reset or capture itself broke: still report it
         outcome, error, value = "failed", _describe(exc), None
     return protocol.RankResult(
@@ -266,6 +268,7 @@ def main() -> None:
     preload_modules()
     load_hooks_from_env()
     cancel.install()
+    pdb_relay.install()  # breakpoint() in a body fails, saying what to use instead
     ready = protocol.RankReady(
         rank=config.rank,
         startup_s=time.monotonic() - started,
@@ -318,6 +321,8 @@ def main() -> None:
             frame = protocol.encode_for(done, features)
         link.take()
         link.send(frame)
+        if task.debug and result.outcome == "failed":
+            pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
     log.info("shutting down")
     hard_exit(0)
 

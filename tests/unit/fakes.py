@@ -186,6 +186,7 @@ class Sim:
         target: str = TARGET,
         test_id: str = "",
         affinity: str = "",
+        **fields: Any,
     ) -> str:
         if task_id is None:
             self._seq += 1
@@ -199,6 +200,7 @@ class Sim:
                 timeout=timeout,
                 test_id=test_id,
                 affinity=affinity,
+                **fields,
             ),
         )
         return task_id

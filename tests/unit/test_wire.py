@@ -69,8 +69,16 @@ CLIENT_KINDS = {
     protocol.Submit,
     protocol.Cancel,
     protocol.Warm,
+    protocol.DebugAttach,
+    protocol.DebugLine,
 }
-RANK_KINDS = {protocol.Heartbeat, protocol.RankReady, protocol.RankDone, protocol.RankStacks}
+RANK_KINDS = {
+    protocol.Heartbeat,
+    protocol.RankReady,
+    protocol.RankDone,
+    protocol.RankStacks,
+    protocol.DebugOutput,
+}
 
 
 def test_every_kind_has_an_example() -> None:

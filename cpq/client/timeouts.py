@@ -1,0 +1,75 @@
+"""pytest-timeout and cpq tests: the ranks' deadline is the test's timeout.
+
+pytest-timeout ends a test from inside the pytest process (SIGALRM, or a thread that exits
+the process). For a test whose body runs on the ranks that would show cpq's client thread
+waiting for a verdict, and leave the task running on its group. So for ``@pytest.mark.cpq``
+tests cpq takes pytest-timeout's timer (its ``pytest_timeout_set_timer`` hook) and gives
+what is left of the timeout to the broker as the task's deadline: when it passes, the
+broker collects every rank's stack, stops the task's group (the next test runs on the spare
+group, without waiting for a spawn) and the test fails with pytest-timeout's own message
+followed by where each rank was. The task is not retried: the test has exactly its timeout.
+
+Tests using the ``cpq`` fixture run their body here; pytest-timeout times them as usual,
+and the client cancels the task it was waiting for when the timeout interrupts it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cpq.protocol import TaskResult
+
+#: (timeout in seconds, when the timer was set): the timer cpq took from pytest-timeout.
+TIMER_KEY = pytest.StashKey[tuple[float, float]]()
+#: pytest-timeout's failure message (``pytest_timeout.PYTEST_FAILURE_MESSAGE``).
+FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
+#: How the broker's verdict starts when a task's deadline passed (``cpq.broker.tasks``).
+DEADLINE_PREFIX = "deadline of "
+
+
+def _runs_on_ranks(item: pytest.Item) -> bool:
+    return item.get_closest_marker("cpq") is not None and "cpq" not in getattr(
+        item, "fixturenames", ()
+    )
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
+    if not _runs_on_ranks(item):
+        return None  # pytest-timeout's own timer
+    item.stash[TIMER_KEY] = (float(getattr(settings, "timeout")), time.monotonic())  # noqa: B009
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    if TIMER_KEY not in item.stash:
+        return None
+    del item.stash[TIMER_KEY]
+    return True
+
+
+def remaining(item: pytest.Item) -> float | None:
+    """What is left of the test's pytest-timeout (None: not timed by it)."""
+    timer = item.stash.get(TIMER_KEY, None)
+    if timer is None:
+        return None
+    timeout, started = timer
+    left = timeout - (time.monotonic() - started)
+    if left <= 0:  # setup used it all up
+        pytest.fail(FAILURE_MESSAGE % timeout, pytrace=False)
+    return left
+
+
+def fail_if_timed_out(item: pytest.Item, result: TaskResult) -> None:
+    """Fail the test as pytest-timeout would, with the ranks' stacks, if its deadline passed."""
+    timer = item.stash.get(TIMER_KEY, None)
+    if timer is None or result.outcome != "error":
+        return
+    if not result.message.startswith(DEADLINE_PREFIX):
+        return
+    first, _, detail = result.message.partition("\n")
+    lines = [FAILURE_MESSAGE % timer[0], f"cpq: {first}; the group was stopped"]
+    pytest.fail("\n".join([*lines, detail] if detail else lines), pytrace=False)

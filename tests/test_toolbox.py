@@ -1,0 +1,289 @@
+"""The pytest toolbox sees a fresh run: reruns, pytest-timeout, --pdb, skips, JUnit, -qq.
+
+Each test runs the same small user project (in pytester's directory) through cpq and, where
+the body needs no process group, through a fresh run (``-p no:cpq``: the body runs in the
+pytest process itself, rank 1 played by ``RANK=1``), and compares what the user sees. Real
+broker, real torchrun groups (gloo), real ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import start_broker, wait_for_status
+
+from cpq import Client
+
+pytest_plugins = ["pytester"]
+
+#: A body that stands for rank 1 in a fresh run (no process group there).
+RANK = 'int(os.environ.get("RANK", "1"))'
+
+
+def run(pytester: pytest.Pytester, *args: str, stdin: bytes = b"", timeout: float = 240) -> str:
+    """One pytest session in a fresh process, its stdin scripted; stdout and stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=pytester.path,
+        input=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+    )
+    return done.stdout.decode(errors="replace")
+
+
+@pytest.fixture
+def private_broker(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """A broker of its own (one spare per spec, as by default): these tests stop groups."""
+    from cpq.client.autostart import stop_broker
+
+    process, endpoint = start_broker(tmp_path_factory.mktemp("toolbox-broker"), "--max-ranks", "4")
+    monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
+    try:
+        yield endpoint
+    finally:
+        stop_broker(process)
+
+
+@pytest.fixture
+def shared(broker: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    return broker
+
+
+# --------------------------------------------------------------------------- reruns, timeout
+
+HANG = """
+import os
+import time
+import pytest
+
+COUNT = {count!r}
+
+
+@pytest.mark.cpq(world_size=2)
+def test_hangs_on_rank_1():
+    if os.environ.get("RANK", "0") == "0":
+        with open(COUNT, "a") as f:
+            f.write("attempt\\n")
+    if {rank} == 1:
+        if "RANK" not in os.environ:  # a fresh run in this process: the hang, ended
+            pytest.fail("stands for a hang that a timeout ended")
+        time.sleep(60)
+"""
+
+
+def attempts(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+#: Each rerun plugin alone: with both installed, flaky's protocol hook runs every test and
+#: pytest-rerunfailures never reruns anything (a known clash of the two, not cpq's). The
+#: hang is ended by the marker's deadline: pytest-timeout cancels its own timer at a test's
+#: first failure, so a rerun of a hang is not timed by it (in a fresh run neither).
+RERUNS = {
+    "pytest-rerunfailures": ("", ("-p", "no:flaky", "--reruns", "2")),
+    "flaky": ("@pytest.mark.flaky(max_runs=3)", ("-p", "no:rerunfailures")),
+}
+
+
+@pytest.mark.parametrize("plugin", sorted(RERUNS))
+def test_reruns_give_a_fresh_runs_attempts(
+    pytester: pytest.Pytester, private_broker: str, tmp_path: Path, plugin: str
+) -> None:
+    fresh, warm = tmp_path / "fresh", tmp_path / "warm"
+    decorator, flags = RERUNS[plugin]
+
+    def project(count: Path) -> str:
+        body = HANG.format(count=str(count), rank=RANK)
+        return body.replace(
+            "@pytest.mark.cpq(world_size=2",
+            f"{decorator}\n@pytest.mark.cpq(world_size=2, timeout=3",
+        )
+
+    pytester.makepyfile(test_hang=project(fresh))
+    fresh_out = run(pytester, "-p", "no:cpq", *flags)
+    pytester.makepyfile(test_hang=project(warm))
+    started = time.monotonic()
+    out = run(pytester, *flags)
+    wall = time.monotonic() - started
+    assert attempts(fresh) == 3, fresh_out
+    assert attempts(warm) == attempts(fresh), out  # reruns + 1, not (reruns + 1) x 2
+    assert "1 failed" in out, out
+    assert "deadline of 3s passed" in out, out  # and where each rank was:
+    assert re.search(r"--- rank 1 ---\n.*test_hang\.py.*\n.*time\.sleep\(60\)", out), out
+    assert "cpq-client-io" not in out and "client.py" not in out
+    assert "[CPQ-RETRY]" not in out  # cpq's retry stepped aside
+    match = re.search(r"cpq: 3 task\(s\) on (\d+) group\(s\), 0 retries", out)
+    assert match is not None and match[1] == "3", out  # one group per attempt, no more
+    # Three 3 s timeouts (a fresh spare or spawn each); never a 90 s cpq deadline.
+    assert wall < 60, wall
+
+
+NEXT = """
+import os
+import time
+import pytest
+
+
+@pytest.mark.cpq(world_size=2)
+def test_a_hang():
+    if os.environ["RANK"] == "1":
+        time.sleep(60)
+
+
+@pytest.mark.cpq(world_size=2)
+def test_next():
+    pass
+"""
+
+
+def test_a_timed_out_test_leaves_the_next_one_a_warm_group(
+    pytester: pytest.Pytester, private_broker: str
+) -> None:
+    pytester.makepyfile(test_next=NEXT)
+    run(pytester, "-k", "test_next")  # the spec's group and its spare start
+    with Client(private_broker) as client:
+        wait_for_status(
+            client,
+            "a group and its spare",
+            lambda s: sum(p["state"] == "idle" for p in s["pools"]) >= 2,
+        )
+    junit = pytester.path / "junit.xml"
+    out = run(pytester, "--timeout", "2", f"--junitxml={junit}")
+    assert "1 failed, 1 passed" in out, out
+    assert "Timeout (>2.0s) from pytest-timeout." in out
+    times = dict(
+        re.findall(r'<testcase classname="[^"]*" name="(\w+)" time="([\d.]+)"', junit.read_text())
+    )
+    assert float(times["test_a_hang"]) < 2 + 5, times  # the timeout, plus the stacks' wait
+    assert float(times["test_next"]) < 1.5, times  # the spare: no ~6 s spawn
+
+
+def test_cpq_retries_0_runs_a_hang_once(
+    pytester: pytest.Pytester, shared: str, tmp_path: Path
+) -> None:
+    count = tmp_path / "count"
+    body = HANG.format(count=str(count), rank=RANK).replace(
+        "world_size=2", 'world_size=2, timeout=2, env={"CPQ_TEST_POOL": "toolbox-hang"}'
+    )
+    pytester.makepyfile(test_hang=body)
+    out = run(pytester, "--cpq-retries", "0")
+    assert attempts(count) == 1, out
+    assert "deadline of 2s passed" in out and "[CPQ-RETRY]" not in out, out
+
+
+# --------------------------------------------------------------------------- --pdb
+
+FAILS_ON_RANK_1 = """
+import os
+import pytest
+
+
+@pytest.mark.cpq(world_size=2, env={"CPQ_TEST_POOL": "toolbox-pdb"})
+def test_fails_on_rank_1():
+    rank = RANK_EXPR
+    some_local = 40 + rank
+    assert rank != 1
+
+
+@pytest.mark.cpq(world_size=2, env={"CPQ_TEST_POOL": "toolbox-pdb"})
+def test_after():
+    pass
+""".replace("RANK_EXPR", RANK)
+
+
+def test_pdb_opens_the_post_mortem_in_the_failing_ranks_frame(
+    pytester: pytest.Pytester, shared: str
+) -> None:
+    pytester.makepyfile(test_pdb=FAILS_ON_RANK_1)
+    script = b"p some_local\np rank\nc\n"
+    fresh = run(pytester, "-p", "no:cpq", "--pdb", stdin=script)
+    out = run(pytester, "--pdb", stdin=script)
+    for seen in (fresh, out):
+        assert "1 failed, 1 passed" in seen, seen
+        # The user's lines ran in the failing frame: its locals answer.
+        assert re.search(r"\(Pdb[^)]*\) 41\n", seen), seen
+        assert "assert rank != 1" in seen
+    assert "entering PDB on rank 1 (relayed by cpq)" in out
+    assert "(Pdb rank 1)" in out
+    assert "pytest_report.py" not in out.partition("entering PDB")[2]  # not cpq's frame
+
+
+def test_pdb_q_quits_the_session_like_pytest(pytester: pytest.Pytester, shared: str) -> None:
+    pytester.makepyfile(test_pdb=FAILS_ON_RANK_1)
+    fresh = run(pytester, "-p", "no:cpq", "--pdb", stdin=b"q\n")
+    out = run(pytester, "--pdb", stdin=b"q\n")
+    for seen in (fresh, out):
+        assert "Quitting debugger" in seen and "test_after" not in seen.split("PDB")[-1], seen
+
+
+BREAKPOINT = """
+import pytest
+
+
+@pytest.mark.cpq(world_size=2, env={"CPQ_TEST_POOL": "toolbox-pdb"})
+def test_stops_here():
+    x = 7
+    breakpoint()
+"""
+
+
+def test_breakpoint_in_a_body_points_to_pdb_and_opens_there_with_it(
+    pytester: pytest.Pytester, shared: str
+) -> None:
+    pytester.makepyfile(test_bp=BREAKPOINT)
+    out = run(pytester)
+    assert "1 failed" in out and "BreakpointInRank" in out, out
+    assert "Run pytest with --pdb" in out
+    out = run(pytester, "--pdb", stdin=b"p x\nc\n")
+    assert re.search(r"\(Pdb rank 0\) 7\n", out), out  # in the frame that called breakpoint()
+
+
+# --------------------------------------------------------------------------- reports
+
+REPORTS = """
+import os
+import pytest
+
+
+@pytest.mark.cpq(world_size=2)
+def test_skips_in_the_body():
+    print("hello from", RANK_EXPR)
+    pytest.skip("not today")
+
+
+@pytest.mark.cpq(world_size=2)
+def test_prints():
+    print("hello from", RANK_EXPR)
+""".replace("RANK_EXPR", 'os.environ.get("RANK")')
+
+
+def skipped_line(out: str) -> str:
+    match = re.search(r"^SKIPPED \[1\] (.*)$", out, re.M)
+    assert match is not None, out
+    return match[1]
+
+
+def test_reports_read_like_a_fresh_runs(pytester: pytest.Pytester, shared: str) -> None:
+    pytester.makepyfile(test_reports=REPORTS)
+    # README's registration of the marker for runs without cpq (no unknown-mark warning).
+    pytester.makeini("[pytest]\nmarkers =\n    cpq(world_size=2): runs on torchrun ranks\n")
+    fresh = run(pytester, "-p", "no:cpq", "-rs", "--strict-markers")
+    junit = pytester.path / "junit.xml"
+    out = run(pytester, "-rs", f"--junitxml={junit}", "-o", "junit_logging=system-out")
+    assert skipped_line(out) == skipped_line(fresh) == "test_reports.py:8: not today"
+    system_out = re.findall(r"<system-out>(.*?)</system-out>", junit.read_text(), re.S)
+    assert any("[rank 0] hello from 0" in s and "[rank 1] hello from 1" in s for s in system_out)
+    quiet, fresh_quiet = run(pytester, "-qq"), run(pytester, "-p", "no:cpq", "-qq")
+    assert "cpq" not in quiet, quiet  # no cpq summary line: pytest's own lines only
+    assert quiet == fresh_quiet, (quiet, fresh_quiet)
