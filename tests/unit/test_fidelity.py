@@ -301,6 +301,7 @@ def test_the_task_environment_is_the_callers_plus_what_the_group_owns() -> None:
         "OMP_NUM_THREADS": "1",  # a start variable: the group's (equal to the spec's)
         "CPQ_GROUP_TOKEN": "secret",
         "NVTE_CUDA_INCLUDE_DIR": "/te",
+        **environ.MULTICAST_OFF_ENV,  # forced in every task, whatever anyone says
     }
 
 
@@ -317,11 +318,14 @@ def test_no_broker_variable_reaches_a_task_unless_the_group_owns_it(
     env = environ.task_environ(caller_env, group_env, {})
     for name, value in env.items():
         owned = environ.is_launcher_var(name) or environ.is_start_var(name)
-        if not owned and name != environ.GPU_VAR:
+        if name in environ.MULTICAST_OFF_ENV:
+            assert value == environ.MULTICAST_OFF_ENV[name]  # cpq's, never the caller's
+        elif not owned and name != environ.GPU_VAR:
             assert caller_env.get(name) == value  # every task variable is the caller's
     for name in caller_env:
         if not environ.is_launcher_var(name) and not environ.is_start_var(name):
             assert name in env  # no task variable of the caller's is lost
+    assert environ.MULTICAST_OFF_ENV.items() <= env.items()
 
 
 def test_a_callers_cuda_visible_devices_narrows_the_gpus() -> None:
