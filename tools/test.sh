@@ -5,7 +5,8 @@
 #   tools/test.sh --static   # also ruff and mypy first (.ci/run: exactly this)
 #   tools/test.sh -- -k fidelity    # arguments after -- go to pytest
 #
-# Installs: cpq with its test extra (pinning torch==2.13.0, the version CI tests with), and,
+# Installs: cpq with its test extra (pinning torch==2.13.0, the version CI tests with; set
+# CPQ_TORCH= to keep yours), and,
 # where missing and this runs as root, the Debian packages the end-to-end tests drive for
 # real: Slurm (tests/fanout: two slurmd on this host), shellcheck (the CI templates' scripts),
 # headless Chromium (the timeline page). Without root they are skipped with a reason.
@@ -23,7 +24,9 @@ while (($#)); do
     shift
 done
 
-python -m pip install -q torch==2.13.0 -e '.[test]'
+# CPQ_TORCH= (empty) keeps the torch you have (a GPU node's CUDA build)
+# shellcheck disable=SC2086  # an empty pin expands to nothing
+python -m pip install -q ${CPQ_TORCH-torch==2.13.0} -e '.[test]'
 
 missing=()
 command -v sbatch >/dev/null || missing+=(slurmctld slurmd slurm-client munge)
