@@ -157,6 +157,8 @@ class TaskResult:
     #: The rank whose failing frame waits for the client's debugger (-1: none; feature
     #: ``pdb-relay``, see :class:`DebugAttach`).
     debug_rank: int = -1
+    #: Each rank's coverage data (see :attr:`RankDone.coverage`), for the client to merge.
+    coverage: list[bytes] = field(default_factory=list)
 
     @property
     def value(self) -> Any:
@@ -225,6 +227,14 @@ class Submit(Message):
     #: ``pytest --pdb``: keep a failing rank's frame for a post-mortem relayed to the client
     #: (feature ``pdb-relay``). -1: the lowest failing rank; N: rank N when it failed.
     debug_rank: int | None = None
+    #: See :class:`RunTask`: the caller's random state and coverage configuration.
+    rng: dict[str, Any] | None = None
+    coverage: dict[str, Any] | None = None
+    #: The caller's test session ("": the client itself); an xdist run's workers share one.
+    session: str = ""
+    #: Run only on a group that served no other session (a spare, or one this session
+    #: used): nothing a test of another session left in module globals reaches this one.
+    own_groups: bool = False
 
 
 @dataclass
@@ -345,6 +355,9 @@ class RankReady(Message):
     #: The optional features this rank reads (a rank may run an older cpq than its broker:
     #: the spec's interpreter is the client's).
     features: list[str] = field(default_factory=list)
+    #: Variables read while modules were imported during start-up (names only: values may
+    #: be secrets); they bind every group of the spec (``cpq.rank.importenv``).
+    bound_env: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -373,6 +386,14 @@ class RankDone(Message):
     #: After a cancelled task, equal numbers on every rank mean no collective was left
     #: half-done and the group can serve again.
     pg_seq: int = -1
+    #: Variables bound by imports so far (names only), sent when the set grew: shown by
+    #: ``cpq-status``. With ``stale`` set by a variable, ``stale_start`` says it was read
+    #: during the group's start-up, so a fresh group of the spec would read the same value.
+    bound_env: list[str] = field(default_factory=list)
+    stale_start: bool = False
+    #: The coverage data of this rank's part of the task (``CoverageData.dumps()``; empty
+    #: when the task asked for none).
+    coverage: bytes = b""
 
 
 @dataclass
@@ -401,6 +422,11 @@ class RunTask(Message):
     #: A failing rank keeps the failure's frames until the broker says whether a
     #: post-mortem runs on it (:class:`DebugAttach`; feature ``pdb-relay``).
     debug: bool = False
+    #: The caller's ``random``/``numpy`` global state to start the body with (``cpq.rng``);
+    #: None: the fixed ``seed``.
+    rng: dict[str, Any] | None = None
+    #: Measure the body with this coverage configuration (``cpq.client.coverage_relay``).
+    coverage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -579,6 +605,15 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "spawn-wait": {"done": ("result.spawn_wait_s",)},
     "task-retries": {"submit": ("retries",)},
     "pdb-relay": {"submit": ("debug_rank",), "run": ("debug",), "done": ("result.debug_rank",)},
+    "import-env": {"rank_ready": ("bound_env",), "rank_done": ("bound_env", "stale_start")},
+    "session-groups": {"submit": ("session", "own_groups")},
+    "task-rng": {"submit": ("rng",), "run": ("rng",)},
+    "task-coverage": {
+        "submit": ("coverage",),
+        "run": ("coverage",),
+        "rank_done": ("coverage",),
+        "done": ("result.coverage",),
+    },
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

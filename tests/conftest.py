@@ -71,9 +71,14 @@ def pytest_configure(config: pytest.Config) -> None:
         state, "--max-ranks", "6", "--spares", "0"
     )  # spares: test_spares
     _shared.update(process=process, endpoint=endpoint, state=state)
-    _shared["old_env"] = {k: os.environ.get(k) for k in ("CPQ_ENDPOINT", "CPQ_STATE_DIR")}
+    names = ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "PYTEST_ADDOPTS")
+    _shared["old_env"] = {k: os.environ.get(k) for k in names}
     os.environ["CPQ_ENDPOINT"] = endpoint
     os.environ["CPQ_STATE_DIR"] = str(state)
+    # The inner pytest runs (pytester) keep their order and seeds: pytest-randomly is
+    # installed for the parity tests, which ask for it with -p randomly themselves.
+    addopts = os.environ.get("PYTEST_ADDOPTS", "")
+    os.environ["PYTEST_ADDOPTS"] = f"{addopts} -p no:randomly".strip()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -44,6 +44,7 @@ def run_pytest(
     """One pytest session in ``project``: ``({test name: outcome}, output)``."""
     junit = project / f"junit-{time.monotonic_ns()}.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += [] if any(a.endswith("randomly") for a in args) else ["-p", "no:randomly"]
     command += ["-p", "no:cpq"] if plain else []
     command += [f"--junitxml={junit}", *args]
     done = subprocess.run(

@@ -55,6 +55,7 @@ POOL_KEYS = {
     "id", "spec", "world_size", "backend", "env", "gpus", "state", "pid", "rank_pids",
     "uptime_s", "ready_after_s", "tasks_done", "rss_mb", "last_heartbeat_s", "task",
     "stop_reason", "python", "roots", "cuda_mb", "cuda_reserved_mb", "rss_growth_mb", "spare",
+    "bound_env", "start_bound_env",
     "spec_id",
 }  # fmt: skip
 TASK_KEYS = {"target", "test_id", "elapsed_s", "deadline_s", "deadline_note", "attempt"}

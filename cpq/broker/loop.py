@@ -27,7 +27,7 @@ from cpq import protocol
 from cpq.broker import liveness, notices, snapshot, warming
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
-from cpq.broker.model import Client, Group, Rank, Totals
+from cpq.broker.model import Client, Group, Rank, Totals, session_of
 from cpq.broker.pools import Pools, ProcessFactory, real_process
 from cpq.broker.tasks import Tasks
 from cpq.broker.timeline import Timeline
@@ -357,8 +357,13 @@ class Broker:
         for spec in queues.waiting_specs():
             while (task := queues.peek(spec)) is not None:
                 fresh = task.stale_bounces > 0  # its last group found the code changed
-                group = self.pools.idle_group(spec, task.submit.affinity, fresh)
+                own = session_of(task) if task.submit.own_groups else None
+                group = self.pools.idle_group(spec, task.submit.affinity, fresh, own)
                 if group is None:
+                    if own is not None and not any(
+                        g.state == "starting" for g in self.pools.live(spec)
+                    ):  # the idle groups served other sessions: a new one, not a wait
+                        self.pools.start(spec, evict=True, queued=self._queued)
                     break
                 queues.pop(spec)
                 self.pools.assign(group, task)

@@ -131,10 +131,16 @@ class Task:
     session: str = ""
     #: The rank whose failing frame waits for the client's debugger (``pytest --pdb``).
     debug_rank: int = -1
+    coverage: dict[int, bytes] = field(default_factory=dict)  # rank -> its coverage data
 
     @property
     def key(self) -> str:
         return task_key(self.client, self.submit.task_id)
+
+
+def session_of(task: Task) -> str:
+    """The test session a task belongs to: what it says, else its client."""
+    return task.submit.session or task.client.hex()
 
 
 def task_key(client: bytes, task_id: str) -> str:
@@ -178,6 +184,11 @@ class Group:
     #: The task variables its ranks last got: a ``run`` with the same ones says
     #: ``env_same`` instead of sending them again (``NO_ENV``: none sent yet).
     last_env: Any = NO_ENV
+    #: Variables its ranks' imports read (names only; ``cpq.rank.importenv``).
+    bound_env: set[str] = field(default_factory=set)
+    start_bound_env: set[str] = field(default_factory=set)  # of those, read at start-up
+    #: The sessions it served (``Submit.session``, else the client's identity).
+    sessions: set[str] = field(default_factory=set)
 
 
 @dataclass

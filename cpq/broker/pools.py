@@ -22,7 +22,7 @@ from cpq.broker import liveness, spares
 from cpq.broker.affinity import Affinity
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
-from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals
+from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals, session_of
 from cpq.broker.scheduler import Resources
 from cpq.broker.timeline import Timeline
 from cpq.protocol import PoolSpec
@@ -99,16 +99,24 @@ class Pools:
         """A group of ``spec`` is starting or idle: it may still serve queued tasks."""
         return any(g.spec == spec and g.state in ("starting", "idle") for g in self.groups.values())
 
-    def idle_group(self, spec: PoolSpec, affinity: str = "", fresh: bool = False) -> Group | None:
+    def idle_group(
+        self,
+        spec: PoolSpec,
+        affinity: str = "",
+        fresh: bool = False,
+        own_session: str | None = None,
+    ) -> Group | None:
         """The idle group of ``spec`` a task should go to, None if none is idle.
 
         The group that last ran the task's ``affinity`` key (its kernels and caches are
         warm for it), else the most recently used one; a spare only when no used group is
         idle, or first for a task whose last group found the code changed (``fresh``: the
-        other used groups loaded the same code).
+        other used groups loaded the same code). ``own_session``: only a group that served
+        no other session (``Submit.own_groups``).
         """
         idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
-        return spares.pick_idle(idle, self.affinity.group_for(spec, affinity), fresh)
+        preferred = self.affinity.group_for(spec, affinity)
+        return spares.pick_idle(idle, preferred, fresh, own_session)
 
     def should_grow(self, spec: PoolSpec, oldest_queued_at: float) -> bool:
         """Start another group of ``spec`` for its queued tasks?
@@ -255,6 +263,7 @@ class Pools:
         group.state = "busy"
         group.task = task
         group.spare = False  # an ordinary group now; the next tick starts a new spare
+        group.sessions.add(session_of(task))
         self.spares.used(group.spec, self.clock.monotonic())
         self.affinity.ran(group.spec, task.submit.affinity, group.id)
 
@@ -332,6 +341,8 @@ class Pools:
         reads = frozenset(message.features)
         group.rank_features = reads if group.rank_features is None else group.rank_features & reads
         group.rss_ready_mb[rank.rank] = message.rss_mb
+        group.bound_env.update(message.bound_env)
+        group.start_bound_env.update(message.bound_env)
         group.rss_mb.setdefault(rank.rank, message.rss_mb)  # shown until its first task
         if not (
             group.state == "starting"

@@ -130,6 +130,9 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
             "attempt": task.attempts,
         },
         "stop_reason": group.stop_reason,
+        # Names only (values may be secrets): variables its imports read, which bind it.
+        "bound_env": sorted(group.bound_env),
+        "start_bound_env": sorted(group.start_bound_env),
         "python": group.spec.python,
         "roots": group.spec.roots,
         "cuda_mb": [group.cuda_mb.get(r, 0.0) for r in range(ws)],

@@ -79,10 +79,15 @@ class SparePolicy:
         return sorted(specs, key=lambda s: -self.last_used[s])
 
 
-def pick_idle(idle: list[Group], preferred: str, fresh: bool) -> Group | None:
+def pick_idle(
+    idle: list[Group], preferred: str, fresh: bool, own_session: str | None = None
+) -> Group | None:
     """Which of a spec's idle groups takes the next task: a spare first when ``fresh`` (the
     task's last group found its code changed), else the ``preferred`` group (affinity), else
-    the most recently used one; a spare only when no used group is idle."""
+    the most recently used one; a spare only when no used group is idle. With
+    ``own_session``, only groups that served no other session are candidates."""
+    if own_session is not None:
+        idle = [g for g in idle if g.sessions <= {own_session}]
     spares = [g for g in idle if g.spare]
     if fresh and spares:
         return spares[0]

@@ -184,6 +184,8 @@ class Tasks:
             env=None if same else env,
             env_same=same,
             debug=task.submit.debug_rank is not None,
+            rng=task.submit.rng,
+            coverage=task.submit.coverage,
         )
         frame = protocol.encode_for(run, group.rank_features or frozenset())
         for rank in group.ranks.values():
@@ -195,9 +197,15 @@ class Tasks:
         task = group.task
         if task is None or task.submit.task_id != message.task_id or group.state != "busy":
             return  # a late report for a task already decided
+        group.bound_env.update(message.bound_env)
+        if message.stale and message.stale_start:
+            self._stale_at_start(task, group, message.stale)
+            return
         if message.stale:
             self.stale(task, group, message.stale)
             return
+        if message.coverage:
+            task.coverage[rank_no] = message.coverage
         result = message.result
         result.rank = rank_no
         task.results[rank_no] = result
@@ -214,8 +222,9 @@ class Tasks:
         """The group loaded code that changed on disk since (``cpq.rank.freshness``): it
         runs nothing more, and the task goes to a fresh group. Not an attempt: nothing ran
         (a rank that did start is stopped with the group)."""
-        self.group_requests.append(GroupRequest(group, f"code changed: {path}"))
-        self.timeline.attempt(task, "bounced: code changed", group.id)
+        what = "environment" if path.startswith("the variable ") else "code"
+        self.group_requests.append(GroupRequest(group, f"{what} changed: {path}"))
+        self.timeline.attempt(task, f"bounced: {what} changed", group.id)
         task.groups.pop()
         self._unassign(task)
         task.stale_bounces += 1
@@ -239,6 +248,21 @@ class Tasks:
             self.timeline.queued(task)
             self.queues.push(task, front=True)
 
+    def _stale_at_start(self, task: Task, group: Group, variable: str) -> None:
+        """An import read ``variable`` while the group started, with another value than the
+        task's: every group of the spec starts alike, so a fresh one would read the same.
+        The group stays (its other tasks may agree); the task is an error that says how to
+        make the variable part of the spec."""
+        self.group_requests.append(GroupRequest(group))
+        name = variable.removeprefix("the variable ")
+        self.finish(
+            task,
+            "error",
+            message=f"{name} was read while cpq's group started (importing torch, cpq or "
+            f"CPQ_PRELOAD), with another value than this test's: list it in CPQ_SPEC_ENV "
+            f"(CPQ_SPEC_ENV={name}) so its groups start with your value",
+        )
+
     def _interrupted(self, task: Task, group: Group) -> None:
         """Every rank reported after a cancel: the group is clean when each rank left the
         task after the same number of collectives (none was left half-done)."""
@@ -255,6 +279,7 @@ class Tasks:
         task.pg_seqs.clear()
         task.grace_until = task.stacks_until = task.cancel_until = None
         task.stacks.clear()
+        task.coverage.clear()
 
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
         task = group.task

@@ -187,6 +187,10 @@ class Client:
         affinity: str = "",
         retries: int = 1,
         debug_rank: int | None = None,
+        rng: dict[str, Any] | None = None,
+        coverage: dict[str, Any] | None = None,
+        session: str = "",
+        own_groups: bool = False,
     ) -> TaskResult:
         """Run ``target`` on every rank of a warm group and wait for the verdict.
 
@@ -198,6 +202,12 @@ class Client:
         ``debug_rank``: keep a failing rank's frames for :meth:`debug_attach` (-1: the
         lowest failing rank). If this call is interrupted (Ctrl-C, pytest-timeout), the
         task is cancelled at once: its group does not stay busy for nobody.
+        ``rng``: the ``random``/``numpy`` state the body starts with (:func:`cpq.rng.capture`;
+        None: the fixed ``seed``). ``coverage``: measure the body on every rank with this
+        configuration (:func:`cpq.client.coverage_relay.session_config`); each rank's data comes
+        back in ``TaskResult.coverage``. ``session``: the test session this task belongs to
+        (default: this client); ``own_groups``: run only on a group that served no other
+        session (a spare, or one this session used).
         """
         future = self.submit_async(
             target,
@@ -212,6 +222,10 @@ class Client:
             affinity=affinity,
             retries=retries,
             debug_rank=debug_rank,
+            rng=rng,
+            coverage=coverage,
+            session=session,
+            own_groups=own_groups,
             _lead=True,
         )
         task_id: str = future.task_id  # type: ignore[attr-defined]
@@ -267,6 +281,10 @@ class Client:
         affinity: str = "",
         retries: int = 1,
         debug_rank: int | None = None,
+        rng: dict[str, Any] | None = None,
+        coverage: dict[str, Any] | None = None,
+        session: str = "",
+        own_groups: bool = False,
         _lead: bool = False,
     ) -> Future[TaskResult]:
         """Like :meth:`submit` but returns a future; many may be in flight at once."""
@@ -287,7 +305,17 @@ class Client:
             affinity=affinity,
             retries=retries,
             debug_rank=debug_rank,
+            rng=rng,
+            coverage=coverage,
+            session=session,
+            own_groups=own_groups,
         )
+        for asked, feature in ((coverage, "task-coverage"), (own_groups, "session-groups")):
+            if asked and feature not in self.broker_features:  # fail closed: never ignored
+                raise BadRequest(
+                    f"the broker at {self.endpoint} is too old for {feature!r} "
+                    "(stop it with `cpq stop`; the next session starts a current one)"
+                )
         future: Future[TaskResult] = Future()
         future.task_id = message.task_id  # type: ignore[attr-defined]
         with self._lock:  # "the previous submit" is the one sent before: decide in order

@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from cpq import paths, protocol
-from cpq.client import pdb_relay, reruns, timeouts
+from cpq import paths, protocol, rng
+from cpq.client import coverage_relay, pdb_relay, reruns, timeouts
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,
@@ -56,6 +56,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--cpq-timeout", type=float, default=None, help="default per-test deadline, s (CPQ_TIMEOUT)"
     )
     group.addoption(
+        "--cpq-own-groups",
+        action="store_true",
+        default=False,
+        help="run cpq tests only on groups that served no other session (CPQ_OWN_GROUPS=1)",
+    )
+    group.addoption(
         "--no-cpq-autostart",
         action="store_true",
         default=False,
@@ -66,14 +72,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
     reruns.add_options(parser, group)
     pdb_relay.add_options(group)
+    parser.addini(
+        "cpq_own_groups", "only groups that served no other session", type="bool", default=False
+    )
     fanout.add_options(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "cpq(world_size=2, timeout=None, env=None): run the test body on every rank of a warm "
-        "torchrun group (torch.distributed initialised)",
+        "cpq(world_size=2, timeout=None, env=None, own_groups=False): run the test body on "
+        "every rank of a warm torchrun group (torch.distributed initialised)",
     )
     config.stash[SESSION_KEY] = CpqSession(config)
     if config.pluginmanager.hasplugin("timeout"):  # pytest-timeout: cpq times marker tests
@@ -169,6 +178,16 @@ class CpqSession:
         )
         self.retries = reruns.configured(config)
         self.debug_rank = pdb_relay.debug_rank(config)
+        env_own = os.environ.get("CPQ_OWN_GROUPS")
+        ini_own = bool(config.getini("cpq_own_groups"))
+        self.own_groups = config.getoption("cpq_own_groups") or (
+            env_own not in ("", "0") if env_own is not None else ini_own
+        )
+        #: This test session, shared by its xdist workers (``Submit.session``).
+        workerinput = getattr(config, "workerinput", None) or {}
+        self.session_id = str(workerinput.get("testrunuid") or uuid.uuid4().hex)
+        #: The random state when the session began: a plugin set it when it differs now.
+        self.rng_at_start = rng.Snapshot()
         self.stats = Stats()
         self._client: Any = None
         self._roots: list[str] | None = None
@@ -279,10 +298,13 @@ class CpqSession:
         affinity: str = "",
         retries: int | None = None,
         debug: bool = False,
+        own_groups: bool = False,
     ) -> TaskResult:
         from cpq.client.api import BrokerUnavailable
 
         if not self.broker_gone:
+            cov = coverage_relay.current()
+            context = f"{test_id}|run" if getattr(self.config.option, "cov_context", "") else ""
             try:
                 result: TaskResult = self.client.submit(
                     target,
@@ -296,10 +318,18 @@ class CpqSession:
                     affinity=affinity,
                     retries=self.retries if retries is None else retries,
                     debug_rank=self.debug_rank if debug else None,
+                    rng=rng.capture() if self.rng_at_start.changed() else None,
+                    coverage=None if cov is None else coverage_relay.session_config(cov, context),
+                    session=self.session_id,
+                    # Measured: only groups whose imports this session measured (a module
+                    # another session's task imported would lose its import-time lines).
+                    own_groups=own_groups or self.own_groups or cov is not None,
                 )
             except BrokerUnavailable as exc:
                 self.broker_gone = f"cpq: {exc}"
             else:
+                if cov is not None:
+                    coverage_relay.merge(cov, result.coverage)
                 self.stats.record(result)
                 if result.spawn_wait_s is not None:  # None: a broker that did not measure it
                     waits = self.spawn_waits
@@ -388,13 +418,18 @@ def _marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] |
     kwargs = dict(marker.kwargs)
     if marker.args:
         kwargs.setdefault("world_size", marker.args[0])
-    unknown = set(kwargs) - {"world_size", "timeout", "env", "affinity"}
+    unknown = set(kwargs) - {"world_size", "timeout", "env", "affinity", "own_groups"}
     if unknown:
         raise pytest.UsageError(f"{item.nodeid}: unknown cpq marker argument(s) {sorted(unknown)}")
     world_size = kwargs.get("world_size", 2)
     if not isinstance(world_size, int) or isinstance(world_size, bool):
         raise pytest.UsageError(f"{item.nodeid}: cpq world_size must be an int, got {world_size!r}")
     return world_size, kwargs.get("timeout"), kwargs.get("env")
+
+
+def _own_groups(item: pytest.Item) -> bool:
+    marker = item.get_closest_marker("cpq")
+    return bool(marker is not None and marker.kwargs.get("own_groups"))
 
 
 def default_affinity(nodeid: str) -> str:
@@ -465,6 +500,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return  # nothing will run: start nothing
     cpq_session = session.config.stash[SESSION_KEY]
+    cpq_session.rng_at_start.observe()  # numpy, imported by the test modules (cpq.rng)
     needed: Counter[PoolSpec] = Counter()
     for item in session.items:
         args = _marker_args(item)
@@ -549,6 +585,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         _affinity(pyfuncitem),
         retries=reruns.retries_for(pyfuncitem, session.retries, timed=left is not None),
         debug=True,
+        own_groups=_own_groups(pyfuncitem),
     )
     timeouts.fail_if_timed_out(pyfuncitem, result)
     if result.debug_rank >= 0:  # a rank waits for pytest's --pdb (cpq.client.pdb_relay)
@@ -616,6 +653,7 @@ class CpqRunner:
                 self._item.nodeid,
                 _affinity(self._item),
                 retries=reruns.retries_for(self._item, self._session.retries, timed=False),
+                own_groups=_own_groups(self._item),
             )
         except protocol.EncodeError as exc:
             pytest.fail(str(exc), pytrace=False)

@@ -107,6 +107,7 @@ def render(status: dict[str, Any]) -> str:
                 rows,
             )
         )
+        lines += _bound_env(pools)
     else:
         lines.append("no groups")
     lines.append("")
@@ -444,3 +445,19 @@ def render_timings(summary: dict[str, Any], path: Path) -> str:
             ),
         ]
     return "\n".join(lines)
+
+
+def _bound_env(pools: list[dict[str, Any]]) -> list[str]:
+    """Which variables bind each group: read by imports during its tasks (a task with other
+    values goes to a fresh group), and how many its start-up imports read (torch's own;
+    names in ``--json``). Names only: values may be secrets."""
+    lines = []
+    for p in pools:
+        at_start = set(p.get("start_bound_env") or [])
+        by_tasks = [n for n in p.get("bound_env") or [] if n not in at_start]
+        if by_tasks or at_start:
+            lines.append(
+                f"{p['id']} bound by imports: {', '.join(by_tasks) or '-'}"
+                f" (+{len(at_start)} read at start-up)"
+            )
+    return lines

@@ -15,7 +15,7 @@ import sys
 import types
 from typing import Any
 
-from cpq.rank import freshness
+from cpq.rank import freshness, importenv
 
 _cache: dict[str, tuple[tuple[int, int], types.ModuleType]] = {}
 
@@ -41,7 +41,8 @@ def _load(path: str, module_name: str) -> types.ModuleType:
     module.__package__ = module_name.rpartition(".")[0]  # relative imports in test packages
     sys.modules[module_name] = module
     freshness.reexecuted.add(module_name)  # re-executed here on change: not a stale module
-    exec(code, module.__dict__)
+    with importenv.importing():  # what pytest's import of it would be: its reads bind
+        exec(code, module.__dict__)
     _cache[path] = (stamp, module)
     return module
 

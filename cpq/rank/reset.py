@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from cpq import environ
+from cpq import environ, rng
 
 ResetHook = Callable[[int], None]
 _hooks: list[ResetHook] = []
@@ -97,9 +97,16 @@ def load_hooks_from_env() -> None:
         register_reset_hook(getattr(importlib.import_module(module), name))
 
 
-def reset_state(baseline: Baseline, seed: int, caller_env: dict[str, str] | None = None) -> None:
+def reset_state(
+    baseline: Baseline,
+    seed: int,
+    caller_env: dict[str, str] | None = None,
+    rng_state: dict[str, Any] | None = None,
+) -> None:
     """Bring the rank back to its baseline, in the caller's environment (``caller_env``:
-    the task variables its client sent; None: the baseline's own, for older clients)."""
+    the task variables its client sent; None: the baseline's own, for older clients).
+    ``rng_state``: the caller's ``random``/``numpy`` state (:mod:`cpq.rng`), installed
+    after the fixed seed; torch keeps the fixed seed."""
     _apply_environ(baseline, caller_env)
     if os.getcwd() != baseline.cwd:
         os.chdir(baseline.cwd)
@@ -122,6 +129,8 @@ def reset_state(baseline: Baseline, seed: int, caller_env: dict[str, str] | None
     _reset_transformer_engine()
     for hook in _hooks:
         hook(seed)
+    if rng_state is not None:  # last: a hook that seeds random must not undo the caller's
+        rng.install(rng_state)
 
 
 def _reset_transformer_engine() -> None:

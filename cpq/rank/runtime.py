@@ -19,6 +19,7 @@ import resource
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel, pdb_relay
+from cpq.rank import cancel, importenv, pdb_relay
 from cpq.rank.capture import FdCapture
+from cpq.rank.coverage_task import measured
 from cpq.rank.freshness import CodeWatch
 from cpq.rank.io import CPQ_DIR, Link, RankConfig, Watchdog, hard_exit
 from cpq.rank.reset import Baseline, load_hooks_from_env, reset_state
@@ -165,18 +167,38 @@ def _peak_cuda_mb() -> float:
     return float(torch.cuda.max_memory_allocated()) / 2**20
 
 
+@dataclass
+class Ran:
+    """What :func:`run_task` gives back besides the result."""
+
+    #: A variable an import bound to another value than the task's: nothing ran
+    #: (:mod:`cpq.rank.importenv`); ``at_start``: it was bound during start-up.
+    variable: str = ""
+    at_start: bool = False
+    coverage: list[bytes] = field(default_factory=list)
+
+
 def run_task(
-    task: protocol.RunTask, rank: int, baseline: Baseline, capture: FdCapture
-) -> protocol.RankResult:
+    task: protocol.RunTask,
+    rank: int,
+    baseline: Baseline,
+    capture: FdCapture,
+    check_env: bool = True,
+) -> tuple[protocol.RankResult, Ran]:
+    ran = Ran()
     outcome: protocol.Outcome = "passed"
     error, value = None, None
     start = time.perf_counter()
     try:
-        reset_state(baseline, task.seed, task.env)
+        reset_state(baseline, task.seed, task.env, task.rng)
+        if check_env:
+            ran.variable, ran.at_start = importenv.differs()
+            if ran.variable:
+                return protocol.RankResult(rank=rank, outcome="error"), ran
         with capture:
             try:
                 function = resolve_target(task.target)
-                with cancel.window(task.task_id):
+                with cancel.window(task.task_id), measured(task.coverage, ran.coverage):
                     value = function(**task.kwargs)
                 _check_return_value(task.target, value)
             except BaseException as exc:  # the task's failure is data, not our crash
@@ -187,7 +209,7 @@ def run_task(
                     pdb_relay.keep(exc)  # its frames, for a post-mortem (pytest --pdb)
     except BaseException as exc:  # reset or capture itself broke: still report it
         outcome, error, value = "failed", _describe(exc), None
-    return protocol.RankResult(
+    result = protocol.RankResult(
         rank=rank,
         outcome=outcome,
         error=error,
@@ -198,6 +220,7 @@ def run_task(
         peak_cuda_mb=_peak_cuda_mb(),
         value=value,
     )
+    return result, ran
 
 
 def _check_return_value(target: str, value: Any) -> None:
@@ -269,15 +292,19 @@ def main() -> None:
     load_hooks_from_env()
     cancel.install()
     pdb_relay.install()  # breakpoint() in a body fails, saying what to use instead
+    importenv.start_done()
     ready = protocol.RankReady(
         rank=config.rank,
         startup_s=time.monotonic() - started,
         rss_mb=_rss_mb(),
         features=sorted(protocol.ALL_FEATURES),
+        bound_env=sorted(importenv.bound),
     )
     # Fields the broker that spawned us cannot read stay home (see protocol.FEATURE_FIELDS).
     features = frozenset(os.environ.get(protocol.FEATURES_ENV, "").split(","))
     check_code = "code-freshness" in features  # an older broker could not act on "stale"
+    check_env = check_code and "import-env" in features
+    bound_said = len(importenv.bound)
     watch.scan(started_ns)
     link.take()
     link.send(protocol.encode_for(ready, features))
@@ -292,13 +319,22 @@ def main() -> None:
         last_env = task.env
         task_started_ns = time.time_ns()
         stale = watch.changed() if check_code else ""
+        stale_start = False
+        ran = Ran()
         if stale:  # run nothing: the broker sends the task to a fresh group
             log.info("not running %s: %s changed since this group loaded it", task.target, stale)
             result = protocol.RankResult(rank=config.rank, outcome="error")
         else:
-            result = run_task(task, config.rank, baseline, capture)
+            result, ran = run_task(task, config.rank, baseline, capture, check_env)
+            if ran.variable:
+                stale, stale_start = f"the variable {ran.variable}", ran.at_start
+                log.info("not running %s: an import read %s", task.target, ran.variable)
             if check_code:
                 watch.scan(task_started_ns)
+        bound_env: list[str] = []
+        if len(importenv.bound) != bound_said:
+            bound_said = len(importenv.bound)
+            bound_env = sorted(importenv.bound)
         cuda_mb, cuda_reserved_mb = _cuda_now_mb()
         done = protocol.RankDone(
             task_id=task.task_id,
@@ -311,6 +347,9 @@ def main() -> None:
             # Read by the broker after a cancel (Tasks._interrupted), which may still be
             # unread on this socket when a short task ends: every multi-rank report has it.
             pg_seq=_pg_sequence() if config.world_size > 1 else -1,
+            bound_env=bound_env,
+            stale_start=stale_start,
+            coverage=ran.coverage[0] if ran.coverage else b"",
         )
         try:
             frame = protocol.encode_for(done, features)

@@ -1,0 +1,149 @@
+"""Variables read while a module was being imported bind the group (docs/design.md,
+"Fidelity: import-time environment").
+
+``MODE = os.environ.get("TPLIB_MODE", "unset")`` at module level keeps the value of the
+session that first imported the module in a warm rank; a fresh ``torchrun`` would read the
+caller's value. So from the rank's start on, every read of ``os.environ``, ``os.getenv``
+and ``os.environb`` made while an import is in progress is recorded with the value it saw
+(or its absence), and before each task the rank compares those values with the task's
+environment. A difference refuses the task as stale, like a changed file
+(:mod:`cpq.rank.freshness`), and the broker runs it on a fresh group.
+
+How reads are seen: the class of the one ``os.environ`` (and ``os.environb``) object is
+swapped for a subclass whose ``__getitem__`` records (``get``, ``in``, ``getenv``, copies
+all go through it), so references taken before the swap (``from os import environ``) are
+covered too. "An import is in progress" is ``importlib._bootstrap._module_locks`` being
+non-empty: CPython holds a per-module lock for exactly the time a module executes (a dict
+truth test, ~30 ns); the marker tests' own files, which :mod:`cpq.rank.pytest_task`
+executes itself, count through :func:`importing`.
+
+Two kinds of binding:
+
+* read during the rank's start-up (cpq, torch, ``CPQ_PRELOAD``): the group's start
+  environment is the spec's, the same for every group of the spec, so a fresh group would
+  read the same value; a caller whose value differs is refused with a message naming the
+  variable and ``CPQ_SPEC_ENV`` (which makes it a spec variable: its groups start with the
+  caller's value);
+* read during a task's imports: bound to the task's value; another value means a fresh
+  group (a spare when there is one).
+
+A variable the process sets itself while importing (``os.environ.setdefault``) is the
+library's, not the caller's: it binds nothing.
+"""
+
+from __future__ import annotations
+
+import importlib._bootstrap as _bootstrap
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_locks: dict[str, Any] = _bootstrap._module_locks  # type: ignore[attr-defined]
+_own_imports = [0]
+
+#: name -> the value an import saw (None: absent). Filled by the swapped classes.
+bound: dict[str, str | None] = {}
+#: Names bound while the rank started (before :func:`start_done`).
+start_names: set[str] = set()
+#: Names an import set itself (never bound).
+self_set: set[str] = set()
+#: ``bound`` as ``os.environ``'s own store holds it (bytes), for a cheap comparison.
+_expected: dict[bytes, bytes | None] = {}
+_starting = [True]
+
+
+def _importing() -> bool:
+    return bool(_locks) or _own_imports[0] > 0
+
+
+def _record(name: str, value: str | None) -> None:
+    if name not in bound and name not in self_set:
+        bound[name] = value
+        _expected[os.fsencode(name)] = None if value is None else os.fsencode(value)
+        if _starting[0]:
+            start_names.add(name)
+
+
+class _TrackedEnviron(os._Environ):  # type: ignore[type-arg]
+    """``os.environ`` that records what imports read (see the module docstring)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: Any) -> Any:
+        try:
+            value = super().__getitem__(key)
+        except KeyError:
+            if _importing():
+                _record(_name(key), None)
+            raise
+        if _importing():
+            _record(_name(key), value if isinstance(value, str) else os.fsdecode(value))
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if _importing():
+            name = _name(key)
+            self_set.add(name)
+            _forget(name)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        if _importing():
+            name = _name(key)
+            self_set.add(name)
+            _forget(name)
+        super().__delitem__(key)
+
+
+def _forget(name: str) -> None:
+    bound.pop(name, None)
+    _expected.pop(os.fsencode(name), None)
+    start_names.discard(name)
+
+
+def _name(key: Any) -> str:
+    return key if isinstance(key, str) else os.fsdecode(key)
+
+
+def install() -> None:
+    """Start recording (the first thing a rank does)."""
+    for mapping in (os.environ, getattr(os, "environb", None)):
+        if mapping is not None and type(mapping) is os._Environ:
+            mapping.__class__ = _TrackedEnviron
+
+
+def uninstall() -> None:
+    """Stop recording and forget what was recorded (tests)."""
+    for mapping in (os.environ, getattr(os, "environb", None)):
+        if mapping is not None and type(mapping) is _TrackedEnviron:
+            mapping.__class__ = os._Environ  # type: ignore[assignment]
+    for record in (bound, start_names, self_set, _expected):
+        record.clear()
+    _starting[0] = True
+
+
+def start_done() -> None:
+    """The rank is ready: later bindings are a task's."""
+    _starting[0] = False
+
+
+@contextmanager
+def importing() -> Iterator[None]:
+    """Count what runs inside as an import (a test file executed by path)."""
+    _own_imports[0] += 1
+    try:
+        yield
+    finally:
+        _own_imports[0] -= 1
+
+
+def differs(environ: dict[bytes, bytes] | None = None) -> tuple[str, bool]:
+    """``(first bound variable whose value differs now, whether it was bound at start)``;
+    ``("", False)`` when none does. Reads the environment's own store, not recording."""
+    data: dict[bytes, bytes] = os.environ._data if environ is None else environ  # type: ignore[attr-defined]
+    for key, value in _expected.items():
+        if data.get(key) != value:
+            name = os.fsdecode(key)
+            return name, name in start_names
+    return "", False

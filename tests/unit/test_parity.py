@@ -1,0 +1,158 @@
+"""Parity with a fresh run, pure logic: import-time variables (``cpq.rank.importenv``), the
+caller's random state (``cpq.rng``), groups of one session, coverage relay fields."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy
+import pytest
+
+from cpq import protocol, rng
+from cpq.rank import importenv
+
+from .fakes import Sim, spec
+
+FEATURES = sorted(protocol.ALL_FEATURES)
+
+
+@pytest.fixture
+def tracked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importenv.install()
+    try:
+        yield tmp_path
+    finally:
+        importenv.uninstall()
+
+
+def _import(folder: Path, name: str, source: str) -> object:
+    (folder / f"{name}.py").write_text(source)
+    importlib.invalidate_caches()
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_read_during_an_import_binds_and_a_read_at_call_time_does_not(
+    tracked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CPQ_T_MODE", raising=False)
+    monkeypatch.setenv("CPQ_T_LEVEL", "3")
+    importenv.start_done()
+    _import(tracked, "cpq_t_lib", "import os\nMODE = os.environ.get('CPQ_T_MODE')\n")
+    _import(tracked, "cpq_t_lib2", "import os\nLEVEL = os.getenv('CPQ_T_LEVEL')\n")
+    os.environ.get("CPQ_T_CALL")  # not importing: per task, binds nothing
+    assert importenv.bound == {"CPQ_T_MODE": None, "CPQ_T_LEVEL": "3"}
+    assert importenv.differs() == ("", False)
+    monkeypatch.setenv("CPQ_T_MODE", "fast")  # absent when imported: now a difference
+    assert importenv.differs() == ("CPQ_T_MODE", False)
+    monkeypatch.delenv("CPQ_T_MODE")
+    monkeypatch.setenv("CPQ_T_LEVEL", "4")
+    assert importenv.differs() == ("CPQ_T_LEVEL", False)
+
+
+def test_start_up_bindings_are_marked_and_a_library_s_own_variable_binds_nothing(
+    tracked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CPQ_T_OWN", raising=False)
+    monkeypatch.setenv("CPQ_T_START", "a")
+    _import(tracked, "cpq_t_start", "import os\nos.environ.get('CPQ_T_START')\n")
+    _import(tracked, "cpq_t_own", "import os\nos.environ.setdefault('CPQ_T_OWN', '1')\n")
+    assert "CPQ_T_OWN" not in importenv.bound  # set by the import itself
+    monkeypatch.setenv("CPQ_T_START", "b")
+    assert importenv.differs() == ("CPQ_T_START", True)
+
+
+def test_a_test_file_executed_by_path_counts_as_an_import(tracked: Path) -> None:
+    with importenv.importing():
+        os.environ.get("CPQ_T_FILE")
+    assert importenv.bound == {"CPQ_T_FILE": None}
+
+
+def test_the_caller_s_random_state_travels_and_is_installed() -> None:
+    random.seed(7)
+    numpy.random.seed(7)
+    state = protocol.unpack(protocol.pack(rng.capture()))  # as it crosses the wire
+    expected = [random.random(), float(numpy.random.rand())]
+    random.seed(1)
+    numpy.random.seed(1)
+    rng.install(state)
+    assert [random.random(), float(numpy.random.rand())] == expected
+
+
+def test_a_state_nothing_set_keeps_the_fixed_seed() -> None:
+    snapshot = rng.Snapshot()
+    assert not snapshot.changed()
+    random.seed(3)  # what pytest-randomly or a user's fixture does
+    assert snapshot.changed()
+
+
+def test_own_groups_take_only_groups_of_their_session() -> None:
+    sim = Sim()
+    sim.client(b"c1", features=FEATURES)
+    sim.client(b"c2", features=FEATURES)
+    pool = spec(1)
+
+    def submit(client: bytes, task_id: str, own: bool) -> None:
+        message = protocol.Submit(
+            task_id=task_id, target="m:f", spec=pool, session=client.decode(), own_groups=own
+        )
+        sim.client_send(client, message)
+
+    submit(b"c1", "t1", own=False)
+    sim.bring_up("g1")
+    sim.finish_all("g1", "t1")
+    assert sim.states() == {"g1": "idle"}
+    submit(b"c2", "t2", own=True)  # g1 served session c1: a new group, not g1
+    assert sim.running("g1") is None and "g2" in sim.states()
+    sim.bring_up("g2")
+    assert sim.running("g2") == "t2"
+    sim.finish_all("g2", "t2")
+    submit(b"c1", "t3", own=True)  # g1 served only c1: it may serve c1 again
+    assert sim.running("g1") == "t3"
+
+
+def test_a_variable_bound_at_start_ends_in_an_error_naming_cpq_spec_env() -> None:
+    sim = Sim()
+    sim.client(features=FEATURES)
+    task = sim.submit(pool_spec=spec(1))
+    sim.bring_up("g1")
+    result = protocol.RankResult(rank=0, outcome="error")
+    message = protocol.RankDone(
+        task_id=task, result=result, stale="the variable PYTORCH_JIT", stale_start=True
+    )
+    sim.rank_send(sim.rank_id("g1", 0), message)
+    (verdict,) = sim.done().values()
+    assert verdict.outcome == "error" and "CPQ_SPEC_ENV=PYTORCH_JIT" in verdict.message
+    assert sim.states() == {"g1": "idle"}  # a fresh group would read the same: kept
+
+
+def test_bound_names_and_coverage_reach_status_and_verdict() -> None:
+    sim = Sim()
+    sim.client(features=FEATURES)
+    task = sim.submit(pool_spec=spec(1))
+    sim.bring_up("g1")
+    result = protocol.RankResult(rank=0, outcome="passed")
+    message = protocol.RankDone(
+        task_id=task, result=result, bound_env=["TPLIB_MODE"], coverage=b"data"
+    )
+    sim.rank_send(sim.rank_id("g1", 0), message)
+    (verdict,) = sim.done().values()
+    assert verdict.coverage == [b"data"]
+    assert sim.broker.pools.groups["g1"].bound_env == {"TPLIB_MODE"}
+
+
+def test_an_older_peer_gets_none_of_the_new_fields() -> None:
+    submit = protocol.Submit(
+        task_id="t", target="m:f", spec=spec(1), rng={"random": []}, coverage={}, own_groups=True
+    )
+    old = frozenset(protocol.ALL_FEATURES) - {"task-rng", "task-coverage", "session-groups"}
+    wire = protocol.unpack(protocol.encode_for(submit, old))
+    assert not {"rng", "coverage", "session", "own_groups"} & set(wire)
