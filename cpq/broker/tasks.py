@@ -23,6 +23,7 @@ from cpq.broker.config import BrokerConfig
 from cpq.broker.debugging import DebugSessions
 from cpq.broker.model import Client, Group, Task, Totals, task_key
 from cpq.broker.scheduler import Queues, Resources
+from cpq.broker.startenv import StartBound
 from cpq.broker.timeline import Timeline
 from cpq.broker.verdicts import Verdicts, join, verdict, where
 from cpq.protocol import RankError, RankResult
@@ -69,6 +70,7 @@ class Tasks:
         self.group_requests: list[GroupRequest] = []
         self.draining = False
         self.admission = Admission(resources)
+        self.start_bound = StartBound()
         self.timeline = timeline or Timeline(None, 0, clock)
         self.verdicts = Verdicts(config, clock, totals, clients, send_client, self.timeline)
         self.debug = DebugSessions(
@@ -90,7 +92,7 @@ class Tasks:
         task = Task(
             client=client.identity,
             submit=message,
-            spec=message.spec,
+            spec=self.start_bound.widen(message.spec, message.env),
             timeout_s=timeout_s,
             queued_at=now,
             first_queued_at=now,
@@ -251,10 +253,26 @@ class Tasks:
     def _stale_at_start(self, task: Task, group: Group, variable: str) -> None:
         """An import read ``variable`` while the group started, with another value than the
         task's: every group of the spec starts alike, so a fresh one would read the same.
-        The group stays (its other tasks may agree); the task is an error that says how to
-        make the variable part of the spec."""
+        The group stays (its other tasks may agree). The spec learns the name
+        (:mod:`cpq.broker.startenv`) and the task goes, in front, to a group started with the
+        caller's value; where the caller has no value to start with, the task is an error
+        that says how to make the variable part of the spec."""
         self.group_requests.append(GroupRequest(group))
         name = variable.removeprefix("the variable ")
+        self.start_bound.learn(task.submit.spec, name)
+        widened = self.start_bound.widen(task.submit.spec, task.submit.env)
+        if widened != task.spec and task.stale_bounces < MAX_STALE_BOUNCES and not task.orphaned:
+            log.info("%s is read at group start: %s goes to a group started with it", name,
+                     task.submit.target)  # fmt: skip
+            self.timeline.attempt(task, f"bounced: {name} read at start", group.id)
+            task.groups.pop()
+            self._unassign(task)
+            task.stale_bounces += 1
+            task.spec = widened
+            task.queued_at = self.clock.monotonic()
+            self.timeline.queued(task)
+            self.queues.push(task, front=True)
+            return
         self.finish(
             task,
             "error",

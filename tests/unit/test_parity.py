@@ -134,6 +134,33 @@ def test_a_variable_bound_at_start_ends_in_an_error_naming_cpq_spec_env() -> Non
     assert sim.states() == {"g1": "idle"}  # a fresh group would read the same: kept
 
 
+def test_a_variable_bound_at_start_joins_the_spec_with_the_callers_value() -> None:
+    """The caller has a value the group's start-up imports read otherwise: the task goes,
+    in front, to a group started with the caller's value, and so do the spec's later tasks
+    (one bounce per spec, not per task); a caller without the variable is not widened."""
+    sim = Sim()
+    sim.client(features=FEATURES)
+    caller = {"PYTORCH_JIT": "0", "HOME": "/h"}
+    task = sim.submit(pool_spec=spec(1), env=caller)
+    sim.bring_up("g1")
+    result = protocol.RankResult(rank=0, outcome="error")
+    message = protocol.RankDone(
+        task_id=task, result=result, stale="the variable PYTORCH_JIT", stale_start=True
+    )
+    sim.rank_send(sim.rank_id("g1", 0), message)
+    assert sim.done() == {}  # not a verdict: a bounce
+    widened = sim.broker.pools.groups["g2"].spec
+    assert ["PYTORCH_JIT", "0"] in widened.env and sim.states()["g1"] == "idle"
+    sim.bring_up("g2")
+    assert sim.running("g2") == task
+    sim.finish_all("g2", task)
+    later = sim.submit(pool_spec=spec(1), env=caller)
+    assert sim.running("g2") == later  # straight to the widened spec's group
+    sim.finish_all("g2", later)
+    bare = sim.submit(pool_spec=spec(1), env={"HOME": "/h"})
+    assert sim.running("g1") == bare  # no value to start with: the spec as sent
+
+
 def test_bound_names_and_coverage_reach_status_and_verdict() -> None:
     sim = Sim()
     sim.client(features=FEATURES)
