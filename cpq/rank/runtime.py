@@ -26,7 +26,7 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel, pdb_relay
+from cpq.rank import cancel, leases, pdb_relay
 from cpq.rank.capture import FdCapture
 from cpq.rank.freshness import CodeWatch
 from cpq.rank.io import CPQ_DIR, Link, RankConfig, Watchdog, hard_exit
@@ -247,6 +247,7 @@ def main() -> None:
     watch = CodeWatch()  # the site directories as they are at start-up
     config = RankConfig.from_env()
     die_with_parent()
+    leases.check_held()  # before any GPU is touched
     redirect_output_to_log(config)
     logging.basicConfig(
         level=logging.INFO,
