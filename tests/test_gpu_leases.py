@@ -34,9 +34,9 @@ import psutil
 import pytest
 
 from cpq import Client
-from cpq.client.autostart import broker_alive
 from cpq.broker import leasedir
 from cpq.broker.sharing import GPU_ROW_KEYS
+from cpq.client.autostart import broker_alive
 from cpq.specs import make_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpq import Client  # noqa: E402
-from cpq.client.autostart import broker_alive  # noqa: E402
 from cpq.broker import leasedir  # noqa: E402
 from cpq.broker.inventory import fake  # noqa: E402
 from cpq.broker.leases import Leases  # noqa: E402
+from cpq.client.autostart import broker_alive  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

@@ -25,8 +25,8 @@ from cpq.broker.config import BrokerConfig
 from cpq.broker.leases import Leases
 from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals
 from cpq.broker.scheduler import Resources
-from cpq.broker.timeline import Timeline
 from cpq.broker.sharing import GpuSharing, broker_id
+from cpq.broker.timeline import Timeline
 from cpq.protocol import PoolSpec
 
 log = logging.getLogger("cpq.broker")
