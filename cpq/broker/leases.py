@@ -146,10 +146,6 @@ class Leases:
         """The lease descriptors a group on ``gpus`` inherits."""
         return [self._fds[g] for g in gpus if g in self._fds]
 
-    def held_elsewhere(self, now: float) -> set[str]:
-        """GPUs seen held by another process within the last tick."""
-        return {g for g, t in self._held_elsewhere.items() if now - t < RETRY_S * 2}
-
     # ---- display
 
     def describe(self, gpu: str, details: dict[str, Any]) -> None:
