@@ -49,7 +49,8 @@ BROKER_KEYS = {
     "uptime_s", "gpus",
     "gpus_free", "max_ranks", "heartbeat_s", "liveness", "log_dir", "draining", "idle_exit_s",
     "default_timeout_s", "max_tasks_per_group", "max_rss_growth_mb", "timings_file",
-    "adaptive_timeout", "adaptive_k", "adaptive_floor_s", "history_tests",
+    "adaptive_timeout", "adaptive_k", "adaptive_floor_s", "history_tests", "gpus_fake",
+    "gpu_leases", "gpu_yields",
 }  # fmt: skip
 POOL_KEYS = {
     "id", "spec", "world_size", "backend", "env", "gpus", "state", "pid", "rank_pids",
@@ -214,7 +215,7 @@ def _procs(pids: list[int]) -> list[psutil.Process]:
 def _check_json_schema(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, proc.stderr
     status = json.loads(proc.stdout)
-    assert set(status) == {"broker", "pools", "queue", "clients", "totals"}
+    assert set(status) == {"broker", "pools", "queue", "clients", "totals", "gpus", "wants"}
     assert set(status["broker"]) == BROKER_KEYS
     assert status["pools"] and status["queue"]
     for pool in status["pools"]:

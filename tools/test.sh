@@ -9,7 +9,8 @@
 # CPQ_TORCH= to keep yours), and,
 # where missing and this runs as root, the Debian packages the end-to-end tests drive for
 # real: Slurm (tests/fanout: two slurmd on this host), shellcheck (the CI templates' scripts),
-# headless Chromium (the timeline page). Without root they are skipped with a reason.
+# headless Chromium (the timeline page); and two system users whose brokers the GPU lease
+# tests start. Without root they are skipped with a reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +42,14 @@ if ((${#missing[@]})); then
         echo "tools/test.sh: not installing ${missing[*]} (needs root and apt-get);" \
             "the tests that drive them are skipped" >&2
     fi
+fi
+
+# Brokers of other users for the GPU lease tests (tests/test_gpu_leases.py), as root only.
+if [[ $(id -u) == 0 ]]; then
+    for user in cpq-lease-a cpq-lease-b; do
+        id -u "$user" >/dev/null 2>&1 ||
+            useradd --system --no-create-home --shell /usr/sbin/nologin "$user"
+    done
 fi
 
 if ((static)); then

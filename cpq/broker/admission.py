@@ -42,7 +42,10 @@ class Admission:
             return impossible
         python = message.spec.python
         if python not in self._interpreters:  # a syscall per new interpreter, not per task
-            if not (os.path.isabs(python) and os.access(python, os.X_OK)):
+            # The ids (and capabilities) exec will use: a broker under another user may run
+            # with CAP_DAC_READ_SEARCH to read an interpreter in a home it cannot enter.
+            runnable = os.access(python, os.X_OK, effective_ids=True)
+            if not (os.path.isabs(python) and runnable):
                 return f"interpreter {python!r} is not an executable on this node"
             self._interpreters.add(python)  # one removed later fails its group's start
         return ""

@@ -30,7 +30,18 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--endpoint", help="frontend endpoint (default: CPQ_ENDPOINT or ipc in the state dir)"
     )
     parser.add_argument(
-        "--gpus", default="auto", help="auto | none | comma-separated GPU ids (default auto)"
+        "--gpus",
+        default="auto",
+        help="auto | none | comma-separated GPU ids | fake:N (a test inventory of N GPUs "
+        "GPU-fake-<i> whose ranks run gloo) (default auto)",
+    )
+    parser.add_argument(
+        "--gpu-leases",
+        type=Path,
+        metavar="DIR",
+        help="node-shared GPU lease directory: brokers of every user and container that "
+        "share it never share a GPU (default CPQ_GPU_LEASES, else /run/lock/cpq-gpus, "
+        "else /tmp/cpq-gpus)",
     )
     parser.add_argument(
         "--max-ranks",
@@ -184,6 +195,13 @@ def _run_broker(args: argparse.Namespace) -> int:
     if args.max_ranks < 1:
         print("cpq-broker: --max-ranks must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    from cpq.broker import inventory, leasedir
+
+    try:
+        gpus = inventory.detect(args.gpus, detect_gpus)
+    except ValueError as exc:
+        print(f"cpq-broker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     roots = [os.path.abspath(r) for r in args.warm_root] or default_roots()
     try:
         warm = [parse_warm(text, roots) for text in args.warm]
@@ -194,7 +212,10 @@ def _run_broker(args: argparse.Namespace) -> int:
         endpoint=args.endpoint or paths.default_endpoint(),
         state_dir=state,
         log_dir=log_dir,
-        gpus=detect_gpus(args.gpus),
+        gpus=gpus.gpus,
+        gpu_uuids=gpus.uuids,
+        fake_gpus=gpus.fake,
+        gpu_leases=args.gpu_leases or leasedir.default_dir(),
         max_ranks=args.max_ranks,
         oversubscribe=args.oversubscribe,
         heartbeat_s=args.heartbeat,

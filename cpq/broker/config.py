@@ -15,6 +15,13 @@ class BrokerConfig:
     state_dir: Path
     log_dir: Path
     gpus: list[str] = field(default_factory=list)
+    #: GPU id -> UUID, the name of its node-wide lease (:mod:`cpq.broker.inventory`).
+    gpu_uuids: dict[str, str] = field(default_factory=dict)
+    #: ``--gpus fake:N``: GPUs placed and leased as real ones, ranks run gloo.
+    fake_gpus: bool = False
+    #: The node-shared lease directory (``--gpu-leases``). None: no leases, for in-process
+    #: unit tests only; ``cpq-broker`` always leases.
+    gpu_leases: Path | None = None
     max_ranks: int = 8
     oversubscribe: bool = False
     heartbeat_s: float = 1.0

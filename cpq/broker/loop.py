@@ -173,6 +173,8 @@ class Broker:
             handle(frames)
 
     def close(self) -> None:
+        if self.pools.sharing is not None:
+            self.pools.sharing.close()
         self.pools.close(time.sleep)
         self.timeline.flush()
         self.transport.close()
@@ -371,8 +373,11 @@ class Broker:
                 if unreachable:
                     self.pools.fail(group, unreachable)
                     return  # settle() carries the failure out and schedules again
-            if queues.depth(spec) and self.pools.should_grow(spec, queues.by_spec[spec].oldest()):
-                self.pools.start(spec, evict=not self.pools.live(spec), queued=self._queued)
+            oldest = queues.by_spec[spec].oldest() if queues.depth(spec) else 0.0
+            if queues.depth(spec) and self.pools.should_grow(spec, oldest):
+                self.pools.start(
+                    spec, evict=not self.pools.live(spec), queued=self._queued, waiting_since=oldest
+                )
 
     def _queued(self, spec: PoolSpec) -> bool:
         return self.tasks.queues.depth(spec) > 0
@@ -406,6 +411,9 @@ class Broker:
         # Spares take free room only when nothing is queued (queued tasks come first).
         self.pools.keep_spares(may_start=not (self.stopping or self.draining or self.tasks.queues))
         self.settle()  # a spare that could not even start is a failure to carry out
+        if self.pools.sharing is not None:  # other brokers' wants, ours, yields
+            self.pools.sharing.tick(self.pools.groups, self._yield)
+            self.settle()
         self._say_why_waiting(now)
         self.timeline.flush()
         if self.draining and not self.tasks.tasks:
@@ -415,6 +423,11 @@ class Broker:
         elif self.config.idle_exit_s and now - self.idle_since > self.config.idle_exit_s:
             log.info("idle for %.0fs; exiting", now - self.idle_since)
             self.stop_now("idle")
+
+    def _yield(self, group: Group, why: str) -> None:
+        # An idle group runs no user code: no grace, its GPUs go to the waiting broker now.
+        # The timeline counts it as an eviction (for another broker); ``why`` says so.
+        self.pools.stop(group, why, recycled=False, cause="evicted", grace_s=0.0)
 
     def stop_now(self, why: str) -> None:
         self.tasks.stop_all(why)

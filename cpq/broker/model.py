@@ -27,6 +27,8 @@ class GroupProcess(Protocol):
     token: str
     gpus: list[str]
     rank_pids: set[int]
+    #: Lease descriptors its processes inherit (:mod:`cpq.broker.leases`).
+    lease_fds: list[int]
 
     @property
     def pid(self) -> int | None: ...

@@ -41,6 +41,9 @@ def why(spec: PoolSpec, pools: Pools, queued: int) -> str:
     resources = pools.resources
     if resources.uses_gpus(spec):
         room = f"{len(resources.free_gpus())} of {len(resources.gpus)} GPUs free"
+        elsewhere = resources.leases.last_attempt.unavailable if resources.leases else set()
+        if elsewhere:  # free here, but leased by (or left to) other brokers of the node
+            room += f" ({len(elsewhere)} of them held by other brokers)"
     else:
         free = resources.max_ranks - resources.cpu_ranks_used
         room = f"{free} of {resources.max_ranks} CPU ranks free"

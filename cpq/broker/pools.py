@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpq import protocol
-from cpq.broker import liveness, spares
+from cpq.broker import liveness, spares, yielding
 from cpq.broker.affinity import Affinity
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
+from cpq.broker.leases import Leases
 from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals, session_of
 from cpq.broker.scheduler import Resources
+from cpq.broker.sharing import GpuSharing, broker_id
 from cpq.broker.timeline import Timeline
 from cpq.protocol import PoolSpec
 
@@ -81,7 +83,21 @@ class Pools:
         self.backend_endpoint = backend_endpoint
         self.process_factory = process_factory
         self.timeline = timeline or Timeline(None, 0, clock)
-        self.resources = Resources(config.gpus, config.max_ranks, config.oversubscribe)
+        self.leases: Leases | None = None
+        self.sharing: GpuSharing | None = None
+        refused: dict[str, str] = {}
+        if config.gpu_leases is not None and config.gpus:
+            self.leases = Leases(config.gpu_leases, config.gpu_uuids, broker_id(config.endpoint))
+            refused = self.leases.prepare(config.gpus)
+            self.sharing = GpuSharing(self.leases, clock, config.endpoint)
+        self.resources = Resources(
+            [g for g in config.gpus if g not in refused],
+            config.max_ranks,
+            config.oversubscribe,
+            self.leases,
+            config.fake_gpus,
+            refused,
+        )
         self.groups: dict[str, Group] = {}
         self.ranks: dict[bytes, tuple[Group, Rank]] = {}
         self.failures: list[GroupFailed] = []
@@ -145,28 +161,36 @@ class Pools:
         evict: bool = False,
         queued: Callable[[PoolSpec], bool] = lambda spec: False,
         spare: bool = False,
+        waiting_since: float | None = None,
     ) -> Group | None:
         """Start a group of ``spec``; None when there is no room (then spares of other specs
-        are stopped if that makes room, and with ``evict`` idle used groups too) or torchrun
-        did not start. A ``spare`` starts only into free room."""
-        gpus = self.resources.allocate(spec)
+        are stopped if that makes room, and with ``evict`` idle used groups too, and GPUs
+        other brokers hold are wanted) or torchrun did not start. A ``spare`` starts only
+        into free room. ``waiting_since``: when the oldest task it is for was queued."""
+        now = self.clock.monotonic()
+        since = float("inf")  # no task waits for it: any other broker's want comes first
+        if waiting_since is not None:
+            since = self.clock.time() - (now - waiting_since)
+        gpus = self.resources.allocate(spec, since, now)
         if gpus is None:
             if not spare:
                 self.evict_for(spec, queued, used=evict)
+                self._want(spec, since)
             return None
         self._group_seq += 1
         group_id = f"g{self._group_seq}"
         process = self.process_factory(
             group_id,
             spec,
-            self.resources.backend_for(spec),
+            self.resources.dist_backend(spec),
             gpus,
             self.backend_endpoint,
             self.config.heartbeat_s,
             self.config.liveness,
             self.config.log_dir,
         )
-        now = self.clock.monotonic()
+        if self.leases is not None:
+            process.lease_fds = self.leases.fds(gpus)
         group = Group(
             group_id,
             spec,
@@ -193,6 +217,26 @@ class Pools:
             process.pid,
         )
         return group
+
+    def _want(self, spec: PoolSpec, since: float) -> None:
+        """Tell other brokers what a task of ``spec`` waits for, if they hold it."""
+        if self.sharing is None or self.leases is None or since == float("inf"):
+            return
+        if not self.resources.uses_gpus(spec):
+            return
+        allowed = set(self.resources.allowed_gpus(spec))
+        attempt = self.leases.last_attempt
+        freeing = {
+            gpu
+            for g in self.groups.values()
+            if g.state == "stopping"
+            for gpu in g.process.gpus
+            if gpu in allowed
+        }
+        need = yielding.shortfall(spec.world_size, len(attempt.lockable), len(freeing))
+        wanted = (attempt.unavailable & allowed) - freeing
+        if need and wanted:
+            self.sharing.want(spec.label(), since, need, wanted)
 
     def evict_for(
         self, spec: PoolSpec, queued: Callable[[PoolSpec], bool], used: bool = True
@@ -221,10 +265,18 @@ class Pools:
                     )
                 return
 
-    def stop(self, group: Group, reason: str, recycled: bool = True, cause: str = "") -> None:
+    def stop(
+        self,
+        group: Group,
+        reason: str,
+        recycled: bool = True,
+        cause: str = "",
+        grace_s: float | None = None,
+    ) -> None:
         """Stop a group; ``recycled``: replaced because of what happened to it (a failure,
         a deadline, changed code, a cancel, a bound), not to make room for another spec.
-        ``cause`` is the timeline's word for it (default: "recycled")."""
+        ``cause`` is the timeline's word for it (default: "recycled"); ``grace_s``: before
+        SIGKILL (default ``--kill-grace``)."""
         if group.state == "stopping":
             return
         self.timeline.stop(group, reason, cause or "recycled")
@@ -234,10 +286,13 @@ class Pools:
         group.state = "stopping"
         group.stop_reason = reason
         group.task = None
+        if self.leases is not None:
+            self.leases.drop(group.process.gpus)  # its processes keep theirs until they exit
         for rank in group.ranks.values():
             self.send_rank(rank.identity, self._shutdown)
             self.ranks.pop(rank.identity, None)
-        group.process.terminate(self.clock.monotonic() + self.config.kill_grace_s)
+        grace = self.config.kill_grace_s if grace_s is None else grace_s
+        group.process.terminate(self.clock.monotonic() + grace)
 
     def fail(self, group: Group, reason: str) -> None:
         """A rank died, went silent, or the group never came up: stop it, report it."""

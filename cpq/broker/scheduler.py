@@ -5,8 +5,9 @@ thin dispatcher and these rules can be read (and changed) in one place:
 
 * one queue per pool spec, and inside it one FIFO per client served round-robin, so one
   client with a thousand queued tasks cannot starve another with one;
-* GPUs are handed out as disjoint sets (unless ``oversubscribe``); CPU (gloo) groups are
-  bounded by ``max_ranks``;
+* GPUs are handed out as disjoint sets (unless ``oversubscribe``), each leased node-wide
+  first (:mod:`cpq.broker.leases`: a GPU another broker holds is not free); CPU (gloo)
+  groups are bounded by ``max_ranks``;
 * a spec that can never run on this node is rejected up front, never queued.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
 from cpq import environ
+from cpq.broker.leases import Attempt, Leases
 from cpq.protocol import PoolSpec
 
 
@@ -127,18 +129,35 @@ class Queues(Generic[T]):
 class Resources:
     """The node's GPUs and CPU rank slots, and who holds which."""
 
-    def __init__(self, gpus: list[str], max_ranks: int, oversubscribe: bool = False) -> None:
+    def __init__(
+        self,
+        gpus: list[str],
+        max_ranks: int,
+        oversubscribe: bool = False,
+        leases: Leases | None = None,
+        fake: bool = False,
+        refused: dict[str, str] | None = None,
+    ) -> None:
         self.gpus = list(gpus)
         self.max_ranks = max_ranks
         self.oversubscribe = oversubscribe
+        self.leases = leases
+        self.fake = fake  # --gpus fake:N: GPU placement, gloo ranks
+        self.refused = refused or {}  # GPUs of the node this broker may not lease, and why
         self._gpu_users: dict[str, int] = {g: 0 for g in self.gpus}
         self.cpu_ranks_used = 0
 
     def backend_for(self, spec: PoolSpec) -> str:
-        return spec.backend or ("nccl" if self.gpus else "gloo")
+        # A node whose GPUs were all refused (unsafe lease files) still has GPUs: its GPU
+        # tasks are rejected saying why, never run on the CPU instead.
+        return spec.backend or ("nccl" if self.gpus or self.refused else "gloo")
 
     def uses_gpus(self, spec: PoolSpec) -> bool:
         return self.backend_for(spec) == "nccl"
+
+    def dist_backend(self, spec: PoolSpec) -> str:
+        """What the ranks run: the spec's backend, gloo on a fake inventory."""
+        return "gloo" if self.fake and self.uses_gpus(spec) else self.backend_for(spec)
 
     def allowed_gpus(self, spec: PoolSpec) -> list[str]:
         """This node's GPUs that ``spec``'s caller may use: a ``CUDA_VISIBLE_DEVICES`` in
@@ -155,11 +174,16 @@ class Resources:
             return f"unknown torch.distributed backend {spec.backend!r}"
         if self.uses_gpus(spec):
             if not self.gpus:
-                return f"backend {self.backend_for(spec)!r} needs GPUs and this broker owns none"
+                refused = "; ".join(self.refused.values())
+                why = f" (refused: {refused})" if refused else ""
+                backend = self.backend_for(spec)
+                return f"backend {backend!r} needs GPUs and this broker owns none{why}"
             if ws > len(self.gpus) and not self.oversubscribe:
+                refused = "; ".join(self.refused.values())
                 return (
                     f"world_size {ws} needs {ws} GPUs but this broker owns {len(self.gpus)} "
                     f"({','.join(self.gpus)}); start it with --oversubscribe to share GPUs"
+                    + (f" (refused: {refused})" if refused else "")
                 )
             allowed = self.allowed_gpus(spec)
             if len(allowed) < ws and not (allowed and self.oversubscribe):
@@ -177,8 +201,12 @@ class Resources:
     def free_gpus(self) -> list[str]:
         return [g for g, users in self._gpu_users.items() if users == 0]
 
-    def allocate(self, spec: PoolSpec) -> list[str] | None:
-        """GPUs (empty for CPU groups) for a new group of ``spec``, or None if none fit now."""
+    def allocate(
+        self, spec: PoolSpec, since: float = float("inf"), now: float = 0.0
+    ) -> list[str] | None:
+        """GPUs (empty for CPU groups) for a new group of ``spec``, or None if none fit now;
+        ``since``: when the task it is for was queued (wall clock; a want of another broker
+        older than that keeps its GPUs), ``now``: monotonic, for lease retries."""
         ws = spec.world_size
         if not self.uses_gpus(spec):
             if self.cpu_ranks_used + ws > self.max_ranks:
@@ -187,15 +215,23 @@ class Resources:
             return []
         allowed = self.allowed_gpus(spec)
         free = [g for g in self.free_gpus() if g in allowed]
+        chosen = None
         if len(free) >= ws:
-            chosen = free[:ws]
-        elif self.oversubscribe:
-            chosen = sorted(allowed, key=lambda g: self._gpu_users[g])[:ws]
-        else:
+            chosen = self._lease(free, ws, since, now)
+        elif self.leases is not None:  # our own groups hold the rest: nothing to want yet
+            self.leases.last_attempt = Attempt(lockable=set(free))
+        if chosen is None and self.oversubscribe:
+            chosen = self._lease(sorted(allowed, key=lambda g: self._gpu_users[g]), ws, since, now)
+        if chosen is None:
             return None
         for gpu in chosen:
             self._gpu_users[gpu] += 1
         return chosen
+
+    def _lease(self, candidates: list[str], ws: int, since: float, now: float) -> list[str] | None:
+        if self.leases is None:
+            return candidates[:ws] if len(candidates) >= ws else None
+        return self.leases.take(candidates, ws, since, now)
 
     def release(self, spec: PoolSpec, gpus: list[str]) -> None:
         if not self.uses_gpus(spec):
@@ -211,6 +247,8 @@ class Resources:
             extra = sum(s.world_size for s, _ in freed if not self.uses_gpus(s))
             return self.cpu_ranks_used - extra + spec.world_size <= self.max_ranks
         free = set(self.free_gpus())
+        if self.leases is not None:
+            free -= self.leases.last_attempt.unavailable  # held by other brokers
         for _, gpus in freed:
             free.update(g for g in gpus if self._gpu_users[g] == 1)
         return len(free & set(self.allowed_gpus(spec))) >= spec.world_size

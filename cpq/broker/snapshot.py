@@ -37,6 +37,9 @@ def describe(
         "uptime_s": clock.time() - started_at,
         "gpus": config.gpus,
         "gpus_free": pools.resources.free_gpus(),
+        "gpus_fake": config.fake_gpus,
+        "gpu_leases": str(config.gpu_leases or ""),
+        "gpu_yields": pools.sharing.yields if pools.sharing else 0,
         "max_ranks": config.max_ranks,
         "heartbeat_s": config.heartbeat_s,
         "liveness": config.liveness,
@@ -95,6 +98,9 @@ def status(
         "queue": queue,
         "clients": client_rows,
         "totals": vars(totals).copy(),
+        # Every GPU of the node and who leases it; the GPU wants of every broker.
+        "gpus": pools.sharing.gpu_rows(pools.groups, config.gpus) if pools.sharing else [],
+        "wants": pools.sharing.want_rows() if pools.sharing else [],
     }
 
 

@@ -24,6 +24,18 @@ from cpq import environ, protocol
 
 log = logging.getLogger("cpq.supervisor")
 
+#: ``fd:dev:inode,...``: the GPU lease descriptors a group inherits. The launcher passes them
+#: on to every rank and each rank checks it holds them (:mod:`cpq.rank.leases`).
+LEASE_FDS_VAR = "CPQ_LEASE_FDS"  # the name cpq.rank.leases reads
+
+
+def lease_fds_value(fds: list[int]) -> str:
+    out = []
+    for fd in fds:
+        info = os.fstat(fd)
+        out.append(f"{fd}:{info.st_dev}:{info.st_ino}")
+    return ",".join(out)
+
 
 class GroupProcess:
     def __init__(
@@ -48,6 +60,7 @@ class GroupProcess:
         self.log_dir = log_dir
         self.popen: subprocess.Popen[bytes] | None = None
         self.rank_pids: set[int] = set()
+        self.lease_fds: list[int] = []
         self._doomed: list[psutil.Process] = []
         self._kill_at: float | None = None
         self.log_path = log_dir / f"group-{group_id}-agent.log"
@@ -74,6 +87,7 @@ class GroupProcess:
                 "CPQ_LOG_DIR": str(self.log_dir),
                 protocol.FEATURES_ENV: ",".join(sorted(protocol.ALL_FEATURES)),  # what we read
                 environ.GPU_VAR: ",".join(self.gpus),
+                LEASE_FDS_VAR: lease_fds_value(self.lease_fds),
                 "PYTHONUNBUFFERED": "1",
                 # torchrun's own default when the caller sets none (a fresh launch gets it too).
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
@@ -117,6 +131,7 @@ class GroupProcess:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=self.lease_fds,  # the group holds its GPUs' leases until it exits
                 cwd=self.spec.roots[0]
                 if self.spec.roots and os.path.isdir(self.spec.roots[0])
                 else None,

@@ -111,6 +111,7 @@ def render(status: dict[str, Any]) -> str:
     else:
         lines.append("no groups")
     lines.append("")
+    lines.extend(_node_gpus(status))
     if status["queue"]:
         lines.append(
             table(
@@ -155,6 +156,42 @@ def render(status: dict[str, Any]) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def _node_gpus(status: dict[str, Any]) -> list[str]:
+    """Every GPU of the node and who leases it, then every broker's GPU wants."""
+    lines: list[str] = []
+    now = time.time()
+    rows = []
+    for g in status.get("gpus") or []:
+        lease = g.get("lease", "?")
+        if lease == "this broker":
+            holder = f"group {g.get('group')} ({g.get('state')})"
+        elif lease == "other broker":
+            holder = (
+                f"{g.get('user', '?')}@{g.get('host', '?')} pid {g.get('broker_pid', '?')} "
+                f"group {g.get('group', '?')} ({g.get('state', '?')})"
+            )
+        else:
+            holder = g.get("reason", "")
+        since = g.get("since")
+        ago = fmt_duration(now - since) if isinstance(since, int | float) else "-"
+        rows.append([g.get("index") or "-", g.get("uuid"), lease, holder, ago])
+    if rows:
+        lines += [table(["gpu", "uuid", "lease", "holder", "since"], rows), ""]
+    wants = [
+        [
+            w.get("who", "?") + (" (this broker)" if w.get("this_broker") else ""),
+            w.get("spec", ""),
+            w.get("need"),
+            ",".join(w.get("gpus") or []) or "-",
+            fmt_duration(now - w["since"]) if isinstance(w.get("since"), int | float) else "-",
+        ]
+        for w in status.get("wants") or []
+    ]
+    if wants:
+        lines += [table(["GPU want of", "spec", "needs", "of GPUs", "waiting"], wants), ""]
+    return lines
 
 
 # --------------------------------------------------------------------------- Prometheus

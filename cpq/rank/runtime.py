@@ -27,7 +27,7 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel, importenv, pdb_relay
+from cpq.rank import cancel, importenv, leases, pdb_relay
 from cpq.rank.capture import FdCapture
 from cpq.rank.coverage_task import measured
 from cpq.rank.freshness import CodeWatch
@@ -270,6 +270,7 @@ def main() -> None:
     watch = CodeWatch()  # the site directories as they are at start-up
     config = RankConfig.from_env()
     die_with_parent()
+    leases.check_held()  # before any GPU is touched
     redirect_output_to_log(config)
     logging.basicConfig(
         level=logging.INFO,

@@ -91,6 +91,7 @@ class FakeProcess:
         self.token = f"token-{group_id}"
         self.gpus = gpus
         self.rank_pids: set[int] = set()
+        self.lease_fds: list[int] = []
         self.code: int | None = None
         self.terminated_with: float | None = None
         self.gone_after_terminate = True
@@ -132,8 +133,8 @@ def spec(world_size: int = 2, backend: str = "", env: Iterable[tuple[str, str]] 
 class Sim:
     """A broker on fakes, with the steps of a scenario."""
 
-    def __init__(self, **config: Any) -> None:
-        self.clock = FakeClock()
+    def __init__(self, clock: FakeClock | None = None, **config: Any) -> None:
+        self.clock = clock or FakeClock()  # shared by Sims that stand for brokers of one node
         self.wire = FakeWire()
         self.processes: dict[str, FakeProcess] = {}
         self.fail_next_start = False

@@ -298,7 +298,7 @@ def test_status_describes_groups_queues_clients_and_totals() -> None:
     sim.submit(pool_spec=spec(1))
     sim.bring_up("g1")
     status = sim.broker.status()
-    assert set(status) == {"broker", "pools", "queue", "clients", "totals"}
+    assert set(status) == {"broker", "pools", "queue", "clients", "totals", "gpus", "wants"}
     (pool,) = status["pools"]
     assert pool["state"] == "busy" and pool["task"]["attempt"] == 1
     assert status["queue"][0]["depth"] == 1
