@@ -19,6 +19,7 @@ SHARED = {
     "cpq.environ",
     "cpq.wirecheck",
     "cpq.specs",
+    "cpq.records",
     "cpq.rng",  # the caller's random state: read by the client, installed by the ranks
     # the timeline's format and pictures: read by the broker, the status CLI and the merge
     "cpq.timeline",
