@@ -68,7 +68,7 @@ MUTANTS = (
     ),
     Mutant(
         "broker: junk from a known rank keeps it alive",
-        "cpq/broker/loop.py",
+        "cpq/broker/controller.py",
         "        group, rank = known\n        handler = self.rank_handlers.get(type(message))\n",
         "        group, rank = known\n        rank.last_seen = self.clock.monotonic()\n"
         "        handler = self.rank_handlers.get(type(message))\n",

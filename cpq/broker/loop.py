@@ -1,9 +1,8 @@
 """The broker: one event loop between clients (frontend ROUTER) and ranks (backend ROUTER).
 
-Every incoming message is decoded by :mod:`cpq.protocol` and dispatched through a handler
-table keyed by message class, one table per socket, built once (the way pytest-xdist's
-DSession dispatches ``worker_<event>``). A message of a class the socket's table does not
-hold (a client's ``hello`` on the ranks' socket, a rank's report on the clients') is
+Every incoming message is decoded and dispatched by the socket-facing
+:class:`~cpq.broker.controller.Controller` through a handler table keyed by message class,
+one table per socket, which the broker fills once; whatever a table does not hold is
 dropped, counted as ``malformed`` and logged; the broker keeps serving. Everything
 time-driven (heartbeats, deadlines, the grace after a rank failed, kill escalation, start
 time-outs, idle exit) happens in :meth:`Broker.tick`, which the loop runs at least every
@@ -27,6 +26,7 @@ from cpq import protocol
 from cpq.broker import liveness, notices, snapshot, warming
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
+from cpq.broker.controller import Controller
 from cpq.broker.model import Client, Group, Rank, Totals, session_of
 from cpq.broker.pools import Pools, ProcessFactory, real_process
 from cpq.broker.tasks import Tasks
@@ -68,10 +68,6 @@ class Wire(Protocol):
     def send_heartbeats(self, clients: list[bytes], ranks: list[bytes]) -> None: ...
 
     def close(self) -> None: ...
-
-
-ClientHandler = Callable[[Client, Any], None]
-RankHandler = Callable[[Group, Rank, Any], None]
 
 
 class Broker:
@@ -116,29 +112,38 @@ class Broker:
         self.idle_since = self.clock.monotonic()
         self.stopping = False
         self._last_heartbeat = -float("inf")
-        self.client_handlers: dict[type[protocol.Message], ClientHandler] = {
-            protocol.Hello: self.client_hello,
-            protocol.Heartbeat: lambda client, message: None,
-            protocol.Goodbye: lambda client, message: self.drop_client(client, "said goodbye"),
-            protocol.StatusRequest: self.client_status,
-            protocol.StopRequest: self.client_stop,
-            protocol.Submit: self.client_submit,
-            protocol.Cancel: lambda client, message: self.tasks.cancel(client, message.task_id),
-            protocol.Warm: self.client_warm,
-            protocol.DebugAttach: lambda client, message: self.tasks.debug.attach(client, message),
-            protocol.DebugLine: lambda client, message: self.tasks.debug.line(client, message),
-        }
-        self.rank_handlers: dict[type[protocol.Message], RankHandler] = {
-            protocol.Heartbeat: lambda group, rank, message: None,
-            protocol.RankReady: self.rank_ready,
-            protocol.RankDone: self.rank_done,
-            protocol.RankStacks: lambda group, rank, message: self.tasks.rank_stacks(
-                group, rank.rank, message
-            ),
-            protocol.DebugOutput: lambda group, rank, message: self.tasks.debug.output(
-                group, rank.rank, message
-            ),
-        }
+        self.controller = Controller(
+            self.clock,
+            self.totals,
+            self.clients,
+            self.pools.ranks,
+            self.transport.send_client,
+            self.pools.rank_hello,
+            self.settle,
+        )
+        self.controller.client_handlers.update(
+            {
+                protocol.Hello: self.client_hello,
+                protocol.Heartbeat: lambda client, message: None,
+                protocol.Goodbye: lambda client, message: self.drop_client(client, "said goodbye"),
+                protocol.StatusRequest: self.client_status,
+                protocol.StopRequest: self.client_stop,
+                protocol.Submit: self.client_submit,
+                protocol.Cancel: lambda client, message: self.tasks.cancel(client, message.task_id),
+                protocol.Warm: self.client_warm,
+                protocol.DebugAttach: lambda client, m: self.tasks.debug.attach(client, m),
+                protocol.DebugLine: lambda client, m: self.tasks.debug.line(client, m),
+            }
+        )
+        self.controller.rank_handlers.update(
+            {
+                protocol.Heartbeat: lambda group, rank, message: None,
+                protocol.RankReady: self.rank_ready,
+                protocol.RankDone: self.rank_done,
+                protocol.RankStacks: lambda g, rank, m: self.tasks.rank_stacks(g, rank.rank, m),
+                protocol.DebugOutput: lambda g, rank, m: self.tasks.debug.output(g, rank.rank, m),
+            }
+        )
 
     @property
     def draining(self) -> bool:
@@ -154,9 +159,9 @@ class Broker:
         while not self.stopping:
             clients_sent, ranks_sent = self.transport.poll(TICK_S)
             if ranks_sent:
-                self._drain(self.transport.recv_rank, self.on_rank_frames)
+                self._drain(self.transport.recv_rank, self.controller.on_rank_frames)
             if clients_sent:
-                self._drain(self.transport.recv_client, self.on_client_frames)
+                self._drain(self.transport.recv_client, self.controller.on_client_frames)
             now = self.clock.monotonic()
             if now >= next_tick:
                 self.tick(now)
@@ -181,49 +186,6 @@ class Broker:
         log.info("broker stopped")
 
     # ---- clients
-
-    def on_client_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            self.totals.malformed += 1
-            log.warning(
-                "dropping a message of %d frames (expected 1 payload frame)", len(frames) - 1
-            )
-            if frames:
-                self.transport.send_client(
-                    frames[0], protocol.ErrorReply("expected exactly one payload frame")
-                )
-            return
-        identity, frame = frames
-        client = self.clients.get(identity)
-        try:
-            message = protocol.decode(frame)
-        except protocol.ProtocolError as exc:
-            self.totals.malformed += 1
-            log.warning("malformed message from client %s: %s", identity.hex(), exc)
-            if client is not None:
-                # It may have been a submit whose variables a later env_same means: forget
-                # them, so that one is refused rather than run with older ones.
-                client.last_env = None
-            self.transport.send_client(identity, protocol.ErrorReply(f"malformed message: {exc}"))
-            return  # junk proves nothing about the peer: no client record, no liveness
-        handler = self.client_handlers.get(type(message))
-        if handler is None:
-            self.totals.malformed += 1
-            log.warning(
-                "dropping %r from client %s: not a client message", message.KIND, identity.hex()
-            )
-            self.transport.send_client(
-                identity, protocol.ErrorReply(f"{message.KIND!r} is not a client message")
-            )
-            return
-        now = self.clock.monotonic()
-        if client is None:
-            client = self.clients[identity] = Client(
-                identity, last_seen=now, connected_at=self.clock.time()
-            )
-        client.last_seen = now
-        handler(client, message)
-        self.settle()
 
     def client_hello(self, client: Client, message: protocol.Hello) -> None:
         client.info = message.client
@@ -280,43 +242,6 @@ class Broker:
             self.drop_client(client, "is gone")
 
     # ---- ranks
-
-    def on_rank_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            self.totals.malformed += 1
-            log.warning(
-                "dropping a message of %d frames (expected 1 payload frame)", len(frames) - 1
-            )
-            return
-        identity, frame = frames
-        try:
-            message = protocol.decode(frame)
-        except protocol.ProtocolError as exc:
-            self.totals.malformed += 1
-            log.warning("malformed message from rank peer %s: %s", identity.hex(), exc)
-            return
-        if isinstance(message, protocol.RankHello):
-            self.pools.rank_hello(identity, message)
-            return
-        known = self.pools.ranks.get(identity)
-        if known is None:
-            self.totals.malformed += 1
-            log.warning("dropping %r from an unknown rank peer %s", message.KIND, identity.hex())
-            return
-        group, rank = known
-        handler = self.rank_handlers.get(type(message))
-        if handler is None:
-            self.totals.malformed += 1
-            log.warning(
-                "dropping %r from rank %d of group %s: not a rank message",
-                message.KIND,
-                rank.rank,
-                group.id,
-            )
-            return  # junk does not prove the rank alive: its liveness is not refreshed
-        rank.last_seen = self.clock.monotonic()
-        handler(group, rank, message)
-        self.settle()
 
     def rank_ready(self, group: Group, rank: Rank, message: protocol.RankReady) -> None:
         self.pools.rank_ready(group, rank, message)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpq import protocol
-from cpq.broker import liveness, spares, yielding
+from cpq.broker import liveness, recycling, spares
 from cpq.broker.affinity import Affinity
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
@@ -175,7 +175,8 @@ class Pools:
         if gpus is None:
             if not spare:
                 self.evict_for(spec, queued, used=evict)
-                self._want(spec, since)
+                if self.sharing is not None and self.resources.uses_gpus(spec):
+                    self.sharing.want_for(spec, since, self.resources, self._stopping_gpus())
             return None
         self._group_seq += 1
         group_id = f"g{self._group_seq}"
@@ -218,25 +219,11 @@ class Pools:
         )
         return group
 
-    def _want(self, spec: PoolSpec, since: float) -> None:
-        """Tell other brokers what a task of ``spec`` waits for, if they hold it."""
-        if self.sharing is None or self.leases is None or since == float("inf"):
-            return
-        if not self.resources.uses_gpus(spec):
-            return
-        allowed = set(self.resources.allowed_gpus(spec))
-        attempt = self.leases.last_attempt
-        freeing = {
-            gpu
-            for g in self.groups.values()
-            if g.state == "stopping"
-            for gpu in g.process.gpus
-            if gpu in allowed
+    def _stopping_gpus(self) -> set[str]:
+        """GPUs of groups on their way out: they come back without another broker's help."""
+        return {
+            gpu for g in self.groups.values() if g.state == "stopping" for gpu in g.process.gpus
         }
-        need = yielding.shortfall(spec.world_size, len(attempt.lockable), len(freeing))
-        wanted = (attempt.unavailable & allowed) - freeing
-        if need and wanted:
-            self.sharing.want(spec.label(), since, need, wanted)
 
     def evict_for(
         self, spec: PoolSpec, queued: Callable[[PoolSpec], bool], used: bool = True
@@ -347,32 +334,9 @@ class Pools:
         group.tasks_done += 1
         group.last_used = self.clock.monotonic()
         group.state = "idle"
-        reason = self.recycle_reason(group)
+        reason = recycling.recycle_reason(group, self.config)
         if reason:
             self.stop(group, reason)
-
-    def recycle_reason(self, group: Group) -> str:
-        """Why a group that just finished a task cleanly must not serve another ("": it may).
-
-        Long-lived ranks accumulate what tests leave behind (caches, leaked tensors,
-        fragmented allocators); a fresh group after N tasks or after a memory bound keeps
-        that from turning into out-of-memory failures in unrelated later tests.
-        """
-        limit = self.config.max_tasks_per_group
-        if limit and group.tasks_done >= limit:
-            return f"recycled after {group.tasks_done} tasks"
-        for rank_no, why in sorted(group.unfit.items()):
-            return f"recycled: rank {rank_no} {why}"
-        bound = self.config.max_rss_growth_mb
-        if bound:
-            for rank_no, rss in sorted(group.rss_mb.items()):
-                base = group.rss_ready_mb.get(rank_no, 0.0)
-                if base > 0 and rss - base > bound:  # 0: a rank that reported no baseline
-                    return (
-                        f"recycled: rank {rank_no} RSS grew {rss - base:.0f} MB since ready "
-                        f"(--max-rss-growth {bound:g})"
-                    )
-        return ""
 
     # ---- ranks
 

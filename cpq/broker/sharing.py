@@ -25,6 +25,8 @@ from cpq.broker import leasedir, yielding
 from cpq.broker.clock import Clock
 from cpq.broker.leases import Leases
 from cpq.broker.model import Group
+from cpq.broker.scheduler import Resources
+from cpq.protocol import PoolSpec
 
 log = logging.getLogger("cpq.broker")
 
@@ -56,6 +58,22 @@ class GpuSharing:
         self._want_error = ""
 
     # ---- wants (this broker's)
+
+    def want_for(
+        self, spec: PoolSpec, since: float, resources: Resources, freeing: set[str]
+    ) -> None:
+        """Tell other brokers what a task of ``spec`` (waiting since ``since``, wall clock;
+        infinity: no task waits) lacks of the GPUs they hold; ``freeing``: GPUs of our own
+        stopping groups, which come back without them."""
+        if since == float("inf"):
+            return
+        allowed = set(resources.allowed_gpus(spec))
+        attempt = self.leases.last_attempt
+        freeing = freeing & allowed
+        need = yielding.shortfall(spec.world_size, len(attempt.lockable), len(freeing))
+        wanted = (attempt.unavailable & allowed) - freeing
+        if need and wanted:
+            self.want(spec.label(), since, need, wanted)
 
     def want(self, spec: str, since: float, need: int, gpus: set[str]) -> None:
         """A group of ``spec`` could not start: ``need`` more GPUs of ``gpus`` (ids) are

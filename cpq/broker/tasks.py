@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpq import protocol
+from cpq.broker import hangs, retries
 from cpq.broker.admission import Admission
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
@@ -25,9 +26,8 @@ from cpq.broker.model import Client, Group, Task, Totals, task_key
 from cpq.broker.scheduler import Queues, Resources
 from cpq.broker.startenv import StartBound
 from cpq.broker.timeline import Timeline
-from cpq.broker.verdicts import Verdicts, join, verdict, where
-from cpq.protocol import RankError, RankResult
-from cpq.timings import fmt_seconds
+from cpq.broker.verdicts import Verdicts, join, verdict
+from cpq.protocol import RankResult
 
 log = logging.getLogger("cpq.broker")
 
@@ -304,7 +304,7 @@ class Tasks:
         if task is None or task.submit.task_id != message.task_id or task.stacks_until is None:
             return
         task.stacks[rank_no] = message.stacks
-        if set(task.stacks) >= self._stack_ranks(task):
+        if set(task.stacks) >= hangs.stack_ranks(task):
             self._stacks_collected(task)
 
     def tick(self, now: float) -> None:
@@ -340,52 +340,25 @@ class Tasks:
         if not held:
             self.group_requests.append(GroupRequest(group))
 
-    def _stack_ranks(self, task: Task) -> set[int]:
-        assert task.group is not None
-        if task.stacks_reason == "deadline":
-            return set(task.group.ranks)
-        return set(task.group.ranks) - set(task.results)
-
     def _collect_stacks(self, task: Task, reason: str) -> None:
         assert task.group is not None
         task.stacks_reason = reason
         task.stacks_until = self.clock.monotonic() + self.config.stack_wait_s
         frame = protocol.encode(protocol.DumpStacks(task_id=task.submit.task_id))
-        for rank_no in self._stack_ranks(task):
+        for rank_no in hangs.stack_ranks(task):
             self.send_rank(task.group.ranks[rank_no].identity, frame)
 
     def _stacks_collected(self, task: Task) -> None:
         group = task.group
         assert group is not None
         task.stacks_until = None
-        stacks = "\n".join(
-            f"--- rank {r} ---\n{where(task, r)}" for r in sorted(self._stack_ranks(task))
-        )
+        stacks = hangs.stacks_text(task)
         if task.stacks_reason == "deadline":
-            learned = f" ({task.deadline_note})" if task.deadline_note else ""
-            reason = f"deadline of {fmt_seconds(task.timeout_s)}s{learned} passed"
+            reason = hangs.deadline_passed(task)
             self.group_requests.append(GroupRequest(group, reason))
-            if task.deadline_note:
-                # A learned deadline is an estimate and this run outgrew it: the retry gets
-                # the deadline the client asked for (when longer), so a test that is slow
-                # today but alive is not killed twice by a guess.
-                task.timeout_s = max(task.timeout_s, task.requested_timeout_s)
-                task.deadline_note = ""
             self.infra_error(task, reason, f"where each rank was:\n{stacks}")
             return
-        failed = sorted(r for r, res in task.results.items() if res.outcome == "failed")
-        stuck = sorted(self._stack_ranks(task))
-        for rank_no in stuck:
-            task.results[rank_no] = RankResult(
-                rank=rank_no,
-                outcome="error",
-                error=RankError(
-                    "cpq.RankStuck",
-                    f"did not finish within {self.config.failure_grace_s:g}s after rank(s) "
-                    f"{failed} failed (waiting in a collective?)",
-                    task.stacks.get(rank_no, ""),
-                ),
-            )
+        failed, stuck = hangs.mark_stuck(task, self.config.failure_grace_s)
         results = [task.results[r] for r in sorted(task.results)]
         if not self.debug.open(task, group, "failed", results):  # recycled after the session
             self.group_requests.append(
@@ -420,41 +393,18 @@ class Tasks:
     def retry_once(
         self, task: Task, reason: str, detail: str = "", group_id: str = "", front: bool = False
     ) -> None:
-        """The retry rule: while a task has attempts left (``1 + submit.retries``; 0 retries
-        when a rerun plugin reruns the test itself, so attempts never multiply) an infra
-        failure queues it again (``front``: ahead of its client's other tasks); the last
-        one is its verdict, ``error``.
-
-        Notes are one line each (they reach the test's stderr and JUnit); the detail of the
-        failure appears once: in the error when the retry fails too (with attempt 1's when
-        it differs), or after the note when the retry passes, so a flaky hang still shows
-        where attempt 1 was.
-        """
-        where = f" on group {group_id}" if group_id else ""
-        attempt = task.attempts
-        if attempt <= task.submit.retries:
+        """An infra failure: queue the task again (``front``: ahead of its client's other
+        tasks) while it has attempts left, else its verdict (:mod:`cpq.broker.retries`)."""
+        if retries.another_attempt(task):
             self.timeline.attempt(task, f"retried: {reason}", group_id)
-            task.attempts += 1
-            note = f"attempt {attempt}{where}: {reason}; retried on a fresh group"
-            task.notes.append(f"{protocol.RETRY_NOTE} {note}")
-            if attempt == 1:
-                task.first_failure = (reason, detail)
+            retries.retried(task, reason, detail, group_id)
             self.totals.retries += 1
             log.info("retrying %s: %s", task.submit.target, reason)
             task.queued_at = self.clock.monotonic()
             self.timeline.queued(task)
             self.queues.push(task, front=front)
             return
-        if attempt == 1:  # no retry allowed: the failure is the verdict, as it happened
-            self.finish(task, "error", message=join(reason, detail))
-            return
-        task.notes.append(f"{protocol.RETRY_FAIL_NOTE} attempt {attempt}{where}: {reason}")
-        message = join(f"{reason} ({attempt} attempts)", detail)
-        first_reason, first_detail = task.first_failure
-        if first_detail and first_detail != detail:
-            message += f"\nattempt 1 ({first_reason}):\n{first_detail}"
-        task.first_failure = ("", "")  # said once, in the verdict
-        self.finish(task, "error", message=message)
+        self.finish(task, "error", message=retries.final_message(task, reason, detail, group_id))
 
     def stop_all(self, why: str) -> None:
         for task in list(self.tasks.values()):

@@ -173,10 +173,10 @@ class Sim:
         return identity
 
     def client_send(self, identity: bytes, message: protocol.Message) -> None:
-        self.broker.on_client_frames([identity, protocol.encode(message)])
+        self.broker.controller.on_client_frames([identity, protocol.encode(message)])
 
     def rank_send(self, identity: bytes, message: protocol.Message) -> None:
-        self.broker.on_rank_frames([identity, protocol.encode(message)])
+        self.broker.controller.on_rank_frames([identity, protocol.encode(message)])
 
     def submit(
         self,

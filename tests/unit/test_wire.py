@@ -161,7 +161,7 @@ def test_junk_from_a_rank_never_keeps_it_alive(junk: bytes) -> None:
     before = sim.broker.totals.malformed
     for _ in range(40):  # 20 s of junk instead of heartbeats
         sim.clock.advance(0.5)
-        sim.broker.on_rank_frames([identity, junk])
+        sim.broker.controller.on_rank_frames([identity, junk])
         sim.broker.tick(sim.clock.monotonic())
     assert sim.broker.totals.malformed >= before + 10
     assert sim.states().get("g1", "stopping") == "stopping"  # failed as silent
@@ -181,7 +181,7 @@ def test_a_known_rank_sending_a_client_message_is_not_refreshed() -> None:
 def test_junk_from_a_new_client_leaves_no_client_behind(junk: bytes) -> None:
     sim = warm_sim()
     clients = set(sim.broker.clients)
-    sim.broker.on_client_frames([b"newcomer", junk])
+    sim.broker.controller.on_client_frames([b"newcomer", junk])
     assert set(sim.broker.clients) == clients  # no record: junk proves nothing about a peer
     assert sim.errors(b"newcomer") and "malformed message" in sim.errors(b"newcomer")[-1]
     serves(sim)
@@ -196,7 +196,7 @@ def test_an_unknown_outcome_from_a_rank_is_malformed_never_a_pass() -> None:
         protocol.RankDone(task_id=task, result=RankResult(rank=0, outcome="passed"))
     ).replace(b"passed", b"passes")
     before = sim.broker.totals.malformed
-    sim.broker.on_rank_frames([sim.rank_id("g1", 0), frame])
+    sim.broker.controller.on_rank_frames([sim.rank_id("g1", 0), frame])
     assert sim.broker.totals.malformed == before + 1
     assert sim.done() == {}  # no verdict from it; the deadline will say error
 
@@ -271,7 +271,9 @@ def test_random_message_sequences_never_crash_the_broker(ops: list[tuple[Any, An
             elif a not in CLIENT_KINDS:
                 sim.client_send(b"c1", example(a))
         elif op == "junk":
-            (sim.broker.on_rank_frames if b else sim.broker.on_client_frames)([b"c1", a])
+            (sim.broker.controller.on_rank_frames if b else sim.broker.controller.on_client_frames)(
+                [b"c1", a]
+            )
         # invariants after every step
         pools = sim.broker.pools
         for group in pools.groups.values():
