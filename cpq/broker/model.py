@@ -192,6 +192,19 @@ class Group:
     #: The sessions it served (``Submit.session``, else the client's identity).
     sessions: set[str] = field(default_factory=set)
 
+    def note_ready(self, rank: Rank, message: protocol.RankReady) -> bool:
+        """Record what a rank said when it became ready; True once every rank of the group
+        has (the features all of them read, their memory at ready, what their imports read
+        while the group started)."""
+        rank.ready = True
+        reads = frozenset(message.features)
+        self.rank_features = reads if self.rank_features is None else self.rank_features & reads
+        self.rss_ready_mb[rank.rank] = message.rss_mb
+        self.bound_env.update(message.bound_env)
+        self.start_bound_env.update(message.bound_env)
+        self.rss_mb.setdefault(rank.rank, message.rss_mb)  # shown until its first task
+        return len(self.ranks) == self.spec.world_size and all(r.ready for r in self.ranks.values())
+
 
 @dataclass
 class Totals:

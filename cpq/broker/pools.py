@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpq import protocol
-from cpq.broker import liveness, recycling, spares
+from cpq.broker import growth, liveness, recycling, spares
 from cpq.broker.affinity import Affinity
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
@@ -135,23 +135,11 @@ class Pools:
         return spares.pick_idle(idle, preferred, fresh, own_session)
 
     def should_grow(self, spec: PoolSpec, oldest_queued_at: float) -> bool:
-        """Start another group of ``spec`` for its queued tasks?
-
-        Always when it has none. Otherwise only when none is already starting and the oldest
-        task has waited ``scale_up_after_s``: a warm group clears a queue of fast tests in
-        milliseconds, far sooner than a new group could start, so extra groups are for
-        queues that stay long (slow tests, many concurrent clients). The pytest plugin's
-        warm-up asks for one group per xdist worker up front, which covers the common case.
-        """
-        live = self.live(spec)
-        if not live:
-            return True
-        if any(g.state == "starting" for g in live):
-            return False
-        # Waiting counts from when the pool could first have served: time spent waiting for
-        # the pool's own start says nothing about whether it keeps up.
-        since = max(oldest_queued_at, max(g.ready_at for g in live))
-        return self.clock.monotonic() - since >= self.config.scale_up_after_s
+        """Start another group of ``spec`` for its queued tasks? (:mod:`cpq.broker.growth`)"""
+        now = self.clock.monotonic()
+        return growth.should_grow(
+            self.live(spec), oldest_queued_at, now, self.config.scale_up_after_s
+        )
 
     # ---- starting and stopping
 
@@ -356,18 +344,7 @@ class Pools:
 
     def rank_ready(self, group: Group, rank: Rank, message: protocol.RankReady) -> bool:
         """Record a rank's readiness; True when this made its whole group ready."""
-        rank.ready = True
-        reads = frozenset(message.features)
-        group.rank_features = reads if group.rank_features is None else group.rank_features & reads
-        group.rss_ready_mb[rank.rank] = message.rss_mb
-        group.bound_env.update(message.bound_env)
-        group.start_bound_env.update(message.bound_env)
-        group.rss_mb.setdefault(rank.rank, message.rss_mb)  # shown until its first task
-        if not (
-            group.state == "starting"
-            and len(group.ranks) == group.spec.world_size
-            and all(r.ready for r in group.ranks.values())
-        ):
+        if not group.note_ready(rank, message) or group.state != "starting":
             return False
         now = self.clock.monotonic()
         group.state = "idle"

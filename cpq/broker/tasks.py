@@ -172,23 +172,7 @@ class Tasks:
         task.results.clear()
         task.pg_seqs.clear()
         task.groups.append(group.id)
-        env = task.submit.env
-        same = (group.last_env is env or group.last_env == env) and "env-delta" in (
-            group.rank_features or ()
-        )
-        group.last_env = env
-        run = protocol.RunTask(
-            task_id=task.submit.task_id,
-            target=task.submit.target,
-            kwargs=task.submit.kwargs,
-            seed=task.submit.seed,
-            test_id=task.submit.test_id,
-            env=None if same else env,
-            env_same=same,
-            debug=task.submit.debug_rank is not None,
-            rng=task.submit.rng,
-            coverage=task.submit.coverage,
-        )
+        run = run_message(task, group)
         frame = protocol.encode_for(run, group.rank_features or frozenset())
         for rank in group.ranks.values():
             if not self.send_rank(rank.identity, frame):
@@ -226,29 +210,30 @@ class Tasks:
         (a rank that did start is stopped with the group)."""
         what = "environment" if path.startswith("the variable ") else "code"
         self.group_requests.append(GroupRequest(group, f"{what} changed: {path}"))
-        self.timeline.attempt(task, f"bounced: {what} changed", group.id)
+        if task.orphaned or task.stale_bounces >= MAX_STALE_BOUNCES:
+            task.groups.pop()
+            self._unassign(task)
+            message = (
+                "cancelled: its client went away"
+                if task.orphaned
+                else f"{path} keeps changing: {task.stale_bounces + 1} fresh groups in a row "
+                "found it changed after loading it"
+            )
+            self.finish(task, "error", message=message)
+            return
+        log.info("%s changed since group %s loaded it: %s goes to a fresh group",
+                 path, group.id, task.submit.target)  # fmt: skip
+        self._bounce(task, group, f"bounced: {what} changed")
+
+    def _bounce(self, task: Task, group: Group, why: str) -> None:
+        """Take ``task`` off ``group`` (nothing of it ran) and queue it again, in front."""
+        self.timeline.attempt(task, why, group.id)
         task.groups.pop()
         self._unassign(task)
         task.stale_bounces += 1
-        if task.orphaned:
-            self.finish(task, "error", message="cancelled: its client went away")
-        elif task.stale_bounces > MAX_STALE_BOUNCES:
-            self.finish(
-                task,
-                "error",
-                message=f"{path} keeps changing: {task.stale_bounces} fresh groups in a row "
-                "found it changed after loading it",
-            )
-        else:
-            log.info(
-                "%s changed since group %s loaded it: %s goes to a fresh group",
-                path,
-                group.id,
-                task.submit.target,
-            )
-            task.queued_at = self.clock.monotonic()
-            self.timeline.queued(task)
-            self.queues.push(task, front=True)
+        task.queued_at = self.clock.monotonic()
+        self.timeline.queued(task)
+        self.queues.push(task, front=True)
 
     def _stale_at_start(self, task: Task, group: Group, variable: str) -> None:
         """An import read ``variable`` while the group started, with another value than the
@@ -264,14 +249,8 @@ class Tasks:
         if widened != task.spec and task.stale_bounces < MAX_STALE_BOUNCES and not task.orphaned:
             log.info("%s is read at group start: %s goes to a group started with it", name,
                      task.submit.target)  # fmt: skip
-            self.timeline.attempt(task, f"bounced: {name} read at start", group.id)
-            task.groups.pop()
-            self._unassign(task)
-            task.stale_bounces += 1
             task.spec = widened
-            task.queued_at = self.clock.monotonic()
-            self.timeline.queued(task)
-            self.queues.push(task, front=True)
+            self._bounce(task, group, f"bounced: {name} read at start")
             return
         self.finish(
             task,
@@ -424,3 +403,26 @@ class Tasks:
     def take_group_requests(self) -> list[GroupRequest]:
         requests, self.group_requests = self.group_requests, []
         return requests
+
+
+def run_message(task: Task, group: Group) -> protocol.RunTask:
+    """What every rank of ``group`` gets for ``task``: the task's variables only when they
+    differ from what the group's ranks got last (feature ``env-delta``; docs/design.md
+    "Dispatch"), else ``env_same``."""
+    env = task.submit.env
+    same = (group.last_env is env or group.last_env == env) and "env-delta" in (
+        group.rank_features or ()
+    )
+    group.last_env = env
+    return protocol.RunTask(
+        task_id=task.submit.task_id,
+        target=task.submit.target,
+        kwargs=task.submit.kwargs,
+        seed=task.submit.seed,
+        test_id=task.submit.test_id,
+        env=None if same else env,
+        env_same=same,
+        debug=task.submit.debug_rank is not None,
+        rng=task.submit.rng,
+        coverage=task.submit.coverage,
+    )

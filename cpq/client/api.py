@@ -22,9 +22,12 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import zmq
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # PEP 692; typing has it from Python 3.11
 
 from cpq import environ, paths, protocol
 from cpq.client.shared_socket import SharedSocket
@@ -82,6 +85,77 @@ def check_timeout(timeout: float) -> float:
     if not 0 < seconds < math.inf:
         raise BadRequest(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     return seconds
+
+
+class SubmitOptions(TypedDict, total=False):
+    """How a task runs, beyond its target, world size and keyword arguments.
+
+    ``timeout``: its deadline in seconds (default ``CPQ_TIMEOUT`` or 90). ``env``: variables
+    it pins (part of the spec: its own groups). ``seed``: the fixed seed of ``random``,
+    numpy and torch (1234). ``test_id``: the test it runs, for history and timelines.
+    ``roots``/``backend``: the spec's import roots (default: the working directory and
+    ``PYTHONPATH``) and torch.distributed backend (default: the broker's choice).
+    ``affinity``: with several idle groups of the spec, the broker prefers the one that last
+    ran a task with this key (a broker too old to know keys ignores it). ``retries``: infra
+    failures it is run again for, each on a fresh group. ``debug_rank``: keep a failing
+    rank's frames for :meth:`Client.debug_attach` (-1: the lowest failing rank). ``rng``:
+    the ``random``/``numpy`` state the body starts with (:func:`cpq.rng.capture`; None: the
+    fixed seed). ``coverage``: measure the body on every rank with this configuration
+    (:func:`cpq.client.coverage_relay.session_config`); each rank's data comes back in
+    ``TaskResult.coverage``. ``session``: the test session it belongs to (default: this
+    client); ``own_groups``: run only on a group that served no other session.
+    """
+
+    timeout: float | None
+    env: dict[str, str] | None
+    seed: int
+    test_id: str
+    roots: list[str] | None
+    backend: str
+    affinity: str
+    retries: int
+    debug_rank: int | None
+    rng: dict[str, Any] | None
+    coverage: dict[str, Any] | None
+    session: str
+    own_groups: bool
+
+
+#: The options that are fields of the ``submit`` message as they are.
+_SUBMIT_FIELDS = (
+    "seed", "test_id", "affinity", "retries", "debug_rank", "rng", "coverage", "session",
+    "own_groups",
+)  # fmt: skip
+
+
+def submit_message(
+    target: str, world_size: int, kwargs: dict[str, Any] | None, options: SubmitOptions
+) -> tuple[protocol.Submit, dict[str, str]]:
+    """The ``submit`` message of a task and the caller's task variables, read now (a
+    variable a fixture set since the last task counts); refuses bad input before sending."""
+    kwargs = dict(kwargs or {})
+    check_kwargs(kwargs)
+    timeout = options.get("timeout")
+    timeout = paths.default_timeout() if timeout is None else check_timeout(timeout)
+    start, task_env = caller_environ()
+    spec = make_spec(
+        world_size,
+        options.get("env"),
+        options.get("roots"),
+        options.get("backend", ""),
+        caller_env=start,
+    )
+    fields: dict[str, Any] = {k: options[k] for k in _SUBMIT_FIELDS if k in options}  # type: ignore[literal-required]
+    message = protocol.Submit(
+        task_id=uuid.uuid4().hex,
+        target=target,
+        spec=spec,
+        kwargs=kwargs,
+        timeout=timeout,
+        env=task_env,
+        **fields,
+    )
+    return message, task_env
 
 
 class Client:
@@ -177,57 +251,17 @@ class Client:
         world_size: int,
         kwargs: dict[str, Any] | None = None,
         *,
-        timeout: float | None = None,
-        env: dict[str, str] | None = None,
-        seed: int = 1234,
-        test_id: str = "",
-        roots: list[str] | None = None,
-        backend: str = "",
         on_wait: Callable[[str], None] | None = None,
-        affinity: str = "",
-        retries: int = 1,
-        debug_rank: int | None = None,
-        rng: dict[str, Any] | None = None,
-        coverage: dict[str, Any] | None = None,
-        session: str = "",
-        own_groups: bool = False,
+        **options: Unpack[SubmitOptions],
     ) -> TaskResult:
         """Run ``target`` on every rank of a warm group and wait for the verdict.
 
-        ``on_wait`` is called (in this thread) with the broker's word on why the task is
-        still waiting for a group, a few seconds into a wait. ``affinity``: with several
-        idle groups of the spec, the broker prefers the one that last ran a task with this
-        key (its kernels and caches are warm for it); a broker too old to know keys ignores it.
-        ``retries``: infra failures the task is run again for, each on a fresh group.
-        ``debug_rank``: keep a failing rank's frames for :meth:`debug_attach` (-1: the
-        lowest failing rank). If this call is interrupted (Ctrl-C, pytest-timeout), the
-        task is cancelled at once: its group does not stay busy for nobody.
-        ``rng``: the ``random``/``numpy`` state the body starts with (:func:`cpq.rng.capture`;
-        None: the fixed ``seed``). ``coverage``: measure the body on every rank with this
-        configuration (:func:`cpq.client.coverage_relay.session_config`); each rank's data comes
-        back in ``TaskResult.coverage``. ``session``: the test session this task belongs to
-        (default: this client); ``own_groups``: run only on a group that served no other
-        session (a spare, or one this session used).
+        ``options`` are :class:`SubmitOptions`. ``on_wait`` is called (in this thread) with
+        the broker's word on why the task is still waiting for a group, a few seconds into
+        a wait. If this call is interrupted (Ctrl-C, pytest-timeout), the task is cancelled
+        at once: its group does not stay busy for nobody.
         """
-        future = self.submit_async(
-            target,
-            world_size,
-            kwargs,
-            timeout=timeout,
-            env=env,
-            seed=seed,
-            test_id=test_id,
-            roots=roots,
-            backend=backend,
-            affinity=affinity,
-            retries=retries,
-            debug_rank=debug_rank,
-            rng=rng,
-            coverage=coverage,
-            session=session,
-            own_groups=own_groups,
-            _lead=True,
-        )
+        future = self._submit(target, world_size, kwargs, options, lead=True)
         task_id: str = future.task_id  # type: ignore[attr-defined]
         try:
             self._wait(future, on_wait)
@@ -271,46 +305,25 @@ class Client:
         target: str,
         world_size: int,
         kwargs: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-        env: dict[str, str] | None = None,
-        seed: int = 1234,
-        test_id: str = "",
-        roots: list[str] | None = None,
-        backend: str = "",
-        affinity: str = "",
-        retries: int = 1,
-        debug_rank: int | None = None,
-        rng: dict[str, Any] | None = None,
-        coverage: dict[str, Any] | None = None,
-        session: str = "",
-        own_groups: bool = False,
-        _lead: bool = False,
+        **options: Unpack[SubmitOptions],
     ) -> Future[TaskResult]:
         """Like :meth:`submit` but returns a future; many may be in flight at once."""
-        kwargs = dict(kwargs or {})
-        check_kwargs(kwargs)
-        timeout = paths.default_timeout() if timeout is None else check_timeout(timeout)
-        # The caller's environment, read now: a variable set since the last task counts.
-        start, task_env = caller_environ()
-        message = protocol.Submit(
-            task_id=uuid.uuid4().hex,
-            target=target,
-            spec=make_spec(world_size, env, roots, backend, caller_env=start),
-            kwargs=kwargs,
-            timeout=timeout,
-            seed=seed,
-            test_id=test_id,
-            env=task_env,
-            affinity=affinity,
-            retries=retries,
-            debug_rank=debug_rank,
-            rng=rng,
-            coverage=coverage,
-            session=session,
-            own_groups=own_groups,
-        )
-        for asked, feature in ((coverage, "task-coverage"), (own_groups, "session-groups")):
+        return self._submit(target, world_size, kwargs, options, lead=False)
+
+    def _submit(
+        self,
+        target: str,
+        world_size: int,
+        kwargs: dict[str, Any] | None,
+        options: SubmitOptions,
+        lead: bool,
+    ) -> Future[TaskResult]:
+        """Send the task; ``lead``: the caller reads its verdict itself (:meth:`_wait`)."""
+        message, task_env = submit_message(target, world_size, kwargs, options)
+        for asked, feature in (
+            (message.coverage, "task-coverage"),
+            (message.own_groups, "session-groups"),
+        ):
             if asked and feature not in self.broker_features:  # fail closed: never ignored
                 raise BadRequest(
                     f"the broker at {self.endpoint} is too old for {feature!r} "
@@ -327,7 +340,7 @@ class Client:
                 self._env_sent = task_env
             self._tasks[message.task_id] = future
             sent_now = self._socket.send(frame)
-        if sent_now and not _lead:  # nobody holds the socket to read the verdict
+        if sent_now and not lead:  # nobody holds the socket to read the verdict
             self._socket.kicked.set()
         return future
 
