@@ -189,13 +189,14 @@ def test_backend_socket_drops_and_logs_what_no_rank_would_send(
         sock.send(wire(k="rank_hello", group_id="g-none", token="x", rank=0, local_rank=0, pid=1))
         sock.send(wire(k="rank_done", task_id="t", result={"rank": 0, "outcome": "passed"}))
         sock.send(wire(k="rank_ready", rank=0))
-        time.sleep(0.5)
-        assert not sock.poll(0), "the backend answered an unknown peer"
+        assert not sock.poll(500), "the backend answered an unknown peer"
     finally:
         sock.close(0)
         context.term()
     serves(client)
-    assert client.status()["totals"]["malformed"] == before + 2
+    # garbage, two frames, and the two reports of a peer that never said hello: junk, counted
+    # (the hellos with a wrong token are refused by the pools, and logged)
+    assert client.status()["totals"]["malformed"] == before + 4
     log = (broker_state / "logs" / "broker.log").read_text()
     assert "malformed message from rank peer" in log
     assert "dropping a message of 2 frames" in log
