@@ -56,20 +56,36 @@ def default_dir() -> Path:
 
 
 def ensure_dir(path: Path) -> str:
-    """Create the lease directory (mode 1777) if missing; "" when usable, else why not.
+    """Create the lease directory (mode 1777) if missing; "" when usable, else a warning.
 
-    An existing directory is used as it is: another user made it, and its lease files may
-    still be lockable even where new ones cannot be created (:func:`open_lease` says so per
-    GPU)."""
+    An existing directory is used as it is when it is a real, sticky directory: another
+    user made it, and its lease files may still be lockable even where new ones cannot be
+    created (:func:`open_lease` says so per GPU). Raises :class:`LeaseRefused` when no lease
+    in it could be trusted (a symlink, not a directory, writable by all but not sticky)."""
     try:
         path.mkdir(parents=True, exist_ok=False)
         path.chmod(0o1777)  # mkdir's mode is cut by the umask
     except FileExistsError:
         pass
     except OSError as exc:
-        return f"cannot create the GPU lease directory {path}: {exc.strerror}"
-    if not path.is_dir():
-        return f"the GPU lease path {path} is not a directory"
+        raise LeaseRefused(
+            f"cannot create the GPU lease directory {path}: {exc.strerror}"
+        ) from None
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise LeaseRefused(
+            f"cannot look at the GPU lease directory {path}: {exc.strerror}"
+        ) from None
+    if stat.S_ISLNK(info.st_mode):
+        raise LeaseRefused(f"the GPU lease path {path} is a symlink (name the real directory)")
+    if not stat.S_ISDIR(info.st_mode):
+        raise LeaseRefused(f"the GPU lease path {path} is not a directory")
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise LeaseRefused(
+            f"the GPU lease directory {path} is writable by everyone but not sticky: any user "
+            f"could replace another's lease files (fix: chmod 1777 {path})"
+        )
     if not os.access(path, os.W_OK | os.X_OK):
         return (
             f"the GPU lease directory {path} is not writable by uid {os.geteuid()}: GPUs "
@@ -86,9 +102,8 @@ def open_lease(directory: Path, uuid: str) -> int:
     """A new descriptor on ``uuid``'s lease file (created 0666 if missing), never through a
     symlink; raises :class:`LeaseRefused` saying why."""
     path = lease_path(directory, uuid)
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o666)
+        fd = _open_or_create(path)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise LeaseRefused(f"{path} is a symlink; refusing GPU {uuid}") from None
@@ -103,6 +118,26 @@ def open_lease(directory: Path, uuid: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _open_or_create(path: Path) -> int:
+    """Open an existing lease file without ``O_CREAT``, else create it exclusively.
+
+    Why not one ``O_CREAT`` open: with ``fs.protected_regular`` (systemd's default 1,
+    Ubuntu's 2) the kernel refuses ``O_CREAT`` on an existing file another user owns in a
+    sticky world-writable directory, even for root — the very case leases are for.
+    """
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(3):  # a file created, or removed, between two calls: look again
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+    return os.open(path, flags)
 
 
 def try_lock(directory: Path, uuid: str) -> int | None:
@@ -174,8 +209,10 @@ def read_json(path: Path) -> dict[str, Any] | None:
         os.close(fd)
     try:
         value = json.loads(data)
-    except ValueError:
-        return None  # being rewritten right now, or not ours to understand
+    except (ValueError, RecursionError):
+        # being rewritten right now, or not ours to understand: any user may write these
+        # files, so nothing in them may break the broker (a deeply nested array recurses)
+        return None
     return value if isinstance(value, dict) else None
 
 

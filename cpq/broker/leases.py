@@ -59,7 +59,13 @@ class Leases:
         """Make the directory and every GPU's lease file; refuse the GPUs whose UUID is
         unknown or whose lease file is unsafe or cannot be made (each with a logged reason).
         Returns the refused."""
-        why = leasedir.ensure_dir(self.directory)
+        try:
+            why = leasedir.ensure_dir(self.directory)
+        except LeaseRefused as exc:  # no lease in it could be trusted: every GPU refused
+            for gpu in gpus:
+                self.refused[gpu] = str(exc)
+            log.error("every GPU refused: %s", exc)
+            return dict(self.refused)
         if why:
             log.warning("%s", why)
         for gpu in gpus:
@@ -86,18 +92,23 @@ class Leases:
         got: list[str] = []
         new: dict[str, int] = {}
         attempt = Attempt()
-        for gpu in candidates:
-            if len(got) == count:
-                break
-            if gpu in self._fds:  # already ours (--oversubscribe): share our lease
+        try:
+            for gpu in candidates:
+                if len(got) == count:
+                    break
+                if gpu in self._fds:  # already ours (--oversubscribe): share our lease
+                    got.append(gpu)
+                    continue
+                fd = self._try(gpu, since, now)
+                if fd is None:
+                    attempt.unavailable.add(gpu)
+                    continue
+                new[gpu] = fd
                 got.append(gpu)
-                continue
-            fd = self._try(gpu, since, now)
-            if fd is None:
-                attempt.unavailable.add(gpu)
-                continue
-            new[gpu] = fd
-            got.append(gpu)
+        except BaseException:  # all or nothing: what this call took goes back
+            for fd in new.values():
+                os.close(fd)
+            raise
         if len(got) < count:
             for fd in new.values():
                 os.close(fd)

@@ -19,9 +19,10 @@ Times are wall-clock seconds: wants are compared between processes of one node.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 #: A want not rewritten for this long is ignored (the broker rewrites it every tick).
 STALE_S = 1.0
@@ -60,8 +61,8 @@ def parse_wants(docs: Iterable[dict[str, Any]], me: str, now: float) -> list[Wan
         broker, refreshed, entries = doc.get("broker"), doc.get("refreshed"), doc.get("wants")
         if not isinstance(broker, str) or broker == me or not isinstance(entries, list):
             continue
-        if not isinstance(refreshed, int | float) or now - refreshed > STALE_S:
-            continue
+        if not _finite(refreshed) or now - refreshed > STALE_S:
+            continue  # NaN would never go stale: not a number a broker wrote
         who = str(doc.get("who", broker))
         for entry in entries:
             want = _want(broker, who, entry)
@@ -70,11 +71,15 @@ def parse_wants(docs: Iterable[dict[str, Any]], me: str, now: float) -> list[Wan
     return sorted(out, key=Want.key)
 
 
+def _finite(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _want(broker: str, who: str, entry: object) -> Want | None:
     if not isinstance(entry, dict):
         return None
     since, need, gpus = entry.get("since"), entry.get("need"), entry.get("gpus")
-    if not isinstance(since, int | float) or not isinstance(need, int) or need < 1:
+    if not _finite(since) or not isinstance(need, int) or need < 1:
         return None
     if not isinstance(gpus, list) or not all(isinstance(g, str) for g in gpus):
         return None

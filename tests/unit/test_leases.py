@@ -155,3 +155,55 @@ def test_a_broker_that_yielded_does_not_restart_its_spare_on_the_wanted_gpus(
     assert set(a.states()) == set()  # reaped; no spare took the GPUs back
     b.tick(TICK_S)
     assert b.states() == {"g1": "starting"}
+
+
+def test_another_users_lease_file_opens_where_the_kernel_refuses_o_creat_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fs.protected_regular (systemd's default) refuses O_CREAT on an existing file another
+    user owns in a sticky world-writable directory, even for root: the lease still opens."""
+    directory = tmp_path / "leases"
+    leasedir.ensure_dir(directory)
+    os.close(leasedir.open_lease(directory, "GPU-a"))  # another user's, say
+    real_open = os.open
+
+    def protected_regular(path: object, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_CREAT and os.path.exists(str(path)):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", protected_regular)
+    fd = leasedir.try_lock(directory, "GPU-a")
+    assert fd is not None
+    os.close(fd)
+
+
+def test_no_lease_is_trusted_in_a_linked_or_unsticky_directory(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    real.chmod(0o1777)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(LeaseRefused, match="symlink"):
+        leasedir.ensure_dir(tmp_path / "link")
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    with pytest.raises(LeaseRefused, match="not sticky"):
+        leasedir.ensure_dir(loose)
+    leases = Leases(tmp_path / "link", {"0": "GPU-a"}, "me")
+    assert "symlink" in leases.prepare(["0"])["0"]  # refused, and the broker serves on
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [b"[" * 60000, b'{"broker": "x", "refreshed": NaN, "wants": []}', b"\xff\xfe", b"{}" * 9],
+    ids=["deeply-nested", "nan", "not-utf8", "not-one-object"],
+)
+def test_any_want_file_another_user_writes_is_read_or_ignored_never_raises(
+    tmp_path: Path, junk: bytes
+) -> None:
+    from cpq.broker import yielding
+
+    (tmp_path / "want-x.json").write_bytes(junk)
+    docs = leasedir.read_wants(tmp_path)
+    assert yielding.parse_wants(docs, "me", 1e9) == []
