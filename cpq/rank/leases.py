@@ -11,6 +11,7 @@ it holds them: a rank that would use a GPU without holding its lease refuses to 
 from __future__ import annotations
 
 import os
+import subprocess
 from typing import Any
 
 LEASE_FDS_VAR = "CPQ_LEASE_FDS"
@@ -43,22 +44,29 @@ def check_held() -> None:
 
 
 def pass_to_ranks() -> None:
-    """Make torchrun's worker ``Popen`` pass the lease descriptors on (it closes others)."""
+    """Make every ``Popen`` of the torchrun agent pass the lease descriptors on.
+
+    torch starts workers through ``subprocess.Popen`` with ``close_fds``; depending on the
+    version its handler calls ``subprocess.Popen`` or a ``Popen`` it imported by name, so
+    both are replaced. Only the agent runs this (it is cpq's throwaway launcher process):
+    whatever else it starts holds the leases too, until it exits, which is the safe side.
+    """
     fds = tuple(fd for fd, _, _ in expected())
     if not fds:
         return
+    original = subprocess.Popen
+
+    class LeasePopen(original):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["pass_fds"] = tuple(sorted(set(kwargs.get("pass_fds", ())) | set(fds)))
+            super().__init__(*args, **kwargs)
+
+    subprocess.Popen = LeasePopen  # type: ignore[misc]
     try:
         from torch.distributed.elastic.multiprocessing.subprocess_handler import (
             subprocess_handler as handler,
         )
     except ImportError:
-        return  # the ranks' check_held() says so, clearly
-    original = getattr(handler, "Popen", None)
-    if original is None:
-        return  # the ranks' check_held() says so, clearly
-
-    def popen(*args: Any, **kwargs: Any) -> Any:
-        kwargs["pass_fds"] = tuple(sorted(set(kwargs.get("pass_fds", ())) | set(fds)))
-        return original(*args, **kwargs)
-
-    setattr(handler, "Popen", popen)  # noqa: B010 - torch does not export the name
+        return  # the ranks' check_held() says so, clearly, if workers start another way
+    if getattr(handler, "Popen", None) is original:
+        setattr(handler, "Popen", LeasePopen)  # noqa: B010 - torch does not export the name
