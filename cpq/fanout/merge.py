@@ -174,7 +174,36 @@ def merge(manifests: Sequence[Manifest], run_id: str | None = None) -> MergeRepo
     for label, values in spawn.items():
         report.durations[SPAWN_PREFIX + label] = round(statistics.median(values), 4)
     report.failed = list(dict.fromkeys(report.failed))
+    _shard_statuses(ordered, report)
     return report
+
+
+#: pytest's own exit statuses a finished shard may end with: passed, failed, no tests.
+FINE_STATUSES = {0: "passed", 1: "failed", 5: "no tests"}
+
+
+def _shard_statuses(manifests: Sequence[Manifest], report: MergeReport) -> None:
+    """Fail closed on what only a shard's own exit status knows: the merged verdict is never
+    better than a shard's. An interrupted, internally failed or misused pytest (2, 3, 4) is
+    a problem (exit 2); a shard that failed (1) with none of its tests failed — a
+    collection error under ``--continue-on-collection-errors``, a failing session fixture —
+    makes the merge fail too, naming the shard."""
+    for manifest in manifests:
+        status = manifest.exitstatus
+        if not manifest.complete or status is None:
+            continue  # a shard still running or killed: its missing tests say so
+        if status not in FINE_STATUSES:
+            report.problems.append(
+                f"shard {_label(manifest)} ended with pytest exit status {status} "
+                "(interrupted, internal error or usage error): its verdict is not complete"
+            )
+        elif status == 1 and not any(
+            r.outcome in ("failed", "error") for r in manifest.tests.values()
+        ):
+            report.failed.append(
+                f"<shard {_label(manifest)}: pytest exit status 1 without a failed test "
+                "(a collection error?)>"
+            )
 
 
 def render(report: MergeReport, top: int = 10) -> str:

@@ -244,3 +244,26 @@ def test_an_internal_error_is_exit_3_never_a_test_result(
     monkeypatch.setattr(cli, "render", broken)
     assert cli.main([str(tmp_path)]) == 3
     assert "internal error (exit 3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status", [2, 3, 4])
+def test_a_shard_that_ended_interrupted_or_broken_is_exit_2(status: int) -> None:
+    results = shard_results()
+    results[1].exitstatus = status
+    report = merge(results)
+    assert report.exit_code == 2, render(report)
+    assert f"shard 1/3 ended with pytest exit status {status}" in render(report)
+
+
+def test_a_shard_that_failed_without_a_failed_test_fails_the_merge() -> None:
+    """A collection error under --continue-on-collection-errors is in no shard's tests (every
+    shard collected without it): the shard's own exit status 1 still fails the run."""
+    results = shard_results()
+    for shard in results:
+        shard.exitstatus = 0
+    results[2].exitstatus = 1
+    report = merge(results)
+    assert report.exit_code == 1, render(report)
+    assert "shard 2/3: pytest exit status 1 without a failed test" in render(report)
+    results[2].exitstatus = 5  # no tests: fine
+    assert merge(results).exit_code == 0
