@@ -169,6 +169,34 @@ def test_a_timed_out_test_leaves_the_next_one_a_warm_group(
     assert float(times["test_next"]) < 1.5, times  # the spare: no ~6 s spawn
 
 
+HANGING_FIXTURE = """
+import time
+import pytest
+
+
+@pytest.fixture
+def stuck():
+    time.sleep(120)
+
+
+@pytest.mark.cpq(world_size=1)
+def test_setup_hangs(stuck):
+    pass
+"""
+
+
+def test_a_fixture_that_hangs_is_still_ended_by_pytest_timeout(
+    pytester: pytest.Pytester, shared: str
+) -> None:
+    """cpq takes pytest-timeout's timer for the body's deadline but keeps pytest-timeout's
+    own timer running as a backstop: a setup that hangs ends, as in a fresh run."""
+    pytester.makepyfile(test_setup_hangs=HANGING_FIXTURE)
+    started = time.monotonic()
+    out = run(pytester, "--timeout", "2", "-p", "no:randomly", timeout=120)
+    assert "1 error" in out and "Timeout" in out, out
+    assert time.monotonic() - started < 90  # the backstop, not the fixture's 120 s
+
+
 def test_cpq_retries_0_runs_a_hang_once(
     pytester: pytest.Pytester, shared: str, tmp_path: Path
 ) -> None:

@@ -6,8 +6,8 @@ how many times (default 1, 0 = off). When a rerun plugin reruns the test itself
 (pytest-rerunfailures' ``--reruns``/``@pytest.mark.flaky(reruns=...)``, flaky's ``@flaky`` or
 ``--force-flaky``), cpq's own retry steps aside: the plugin's reruns are the only ones, so a
 test that hangs costs ``reruns + 1`` deadlines, not twice that. Under pytest-timeout a test
-has exactly its timeout (``cpq.client.timeouts``): no retry either. The broker applies the count
-(``cpq.broker.tasks.Tasks.retry_once``).
+gets its timeout as the task's deadline (``cpq.client.timeouts``): no retry either. The
+broker applies the count (``cpq.broker.tasks.Tasks.retry_once``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,11 @@ tests cpq takes pytest-timeout's timer (its ``pytest_timeout_set_timer`` hook) a
 what is left of the timeout to the broker as the task's deadline: when it passes, the
 broker collects every rank's stack, stops the task's group (the next test runs on the spare
 group, without waiting for a spawn) and the test fails with pytest-timeout's own message
-followed by where each rank was. The task is not retried: the test has exactly its timeout.
+followed by where each rank was. The task is not retried.
+
+pytest-timeout's own timer still runs, :data:`BACKSTOP_S` later than the test's timeout: it
+bounds what the broker's deadline cannot — a fixture that hangs in the test's setup or
+teardown, a verdict that never comes — as it would in a fresh run (with that much slack).
 
 Tests using the ``cpq`` fixture run their body here; pytest-timeout times them as usual,
 and the client cancels the task it was waiting for when the timeout interrupts it.
@@ -25,6 +29,9 @@ from cpq.protocol import TaskResult
 TIMER_KEY = pytest.StashKey[tuple[float, float]]()
 #: pytest-timeout's failure message (``pytest_timeout.PYTEST_FAILURE_MESSAGE``).
 FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
+#: How much later than the test's timeout pytest-timeout's own timer fires: after the
+#: broker's deadline, its stack collection and the verdict's way back.
+BACKSTOP_S = 10.0
 #: How the broker's verdict starts when a task's deadline passed (``cpq.broker.tasks``).
 DEADLINE_PREFIX = "deadline of "
 
@@ -37,9 +44,13 @@ def _runs_on_ranks(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
-    if not _runs_on_ranks(item):
-        return None  # pytest-timeout's own timer
+    if not _runs_on_ranks(item) or not hasattr(settings, "_replace"):
+        return None  # pytest-timeout's own timer, as it is
     item.stash[TIMER_KEY] = (float(getattr(settings, "timeout")), time.monotonic())  # noqa: B009
+    import pytest_timeout  # here only when pytest-timeout calls: it is installed
+
+    later = settings._replace(timeout=item.stash[TIMER_KEY][0] + BACKSTOP_S)
+    pytest_timeout.pytest_timeout_set_timer(item, later)  # the backstop (module docstring)
     return True
 
 
@@ -48,6 +59,9 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     if TIMER_KEY not in item.stash:
         return None
     del item.stash[TIMER_KEY]
+    import pytest_timeout
+
+    pytest_timeout.pytest_timeout_cancel_timer(item)  # the backstop's
     return True
 
 
