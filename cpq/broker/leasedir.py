@@ -231,7 +231,9 @@ def want_path(directory: Path, key: str) -> Path:
 
 def write_want(path: Path, content: dict[str, Any]) -> None:
     """Rewrite this broker's want file (readable by all; never through a symlink)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    fd = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644
+    )
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a regular file")

@@ -73,7 +73,8 @@ class GpuSharing:
         need = yielding.shortfall(spec.world_size, len(attempt.lockable), len(freeing))
         wanted = (attempt.unavailable & allowed) - freeing
         if need and wanted:
-            self.want(spec.label(), since, need, wanted)
+            # the spec by digest only: want files are readable by every user of the node
+            self.want(f"ws{spec.world_size} #{spec.digest()}", since, need, wanted)
 
     def want(self, spec: str, since: float, need: int, gpus: set[str]) -> None:
         """A group of ``spec`` could not start: ``need`` more GPUs of ``gpus`` (ids) are

@@ -242,7 +242,12 @@ class Tasks:
         (:mod:`cpq.broker.startenv`) and the task goes, in front, to a group started with the
         caller's value; where the caller has no value to start with, the task is an error
         that says how to make the variable part of the spec."""
-        self.group_requests.append(GroupRequest(group))
+        # One rank's refusal says nothing of its peers: one of them may be running the body,
+        # waiting in a collective for this rank. A group of one rank is clean; others go.
+        why = (
+            "" if group.spec.world_size == 1 else f"a rank refused a task: {variable} read at start"
+        )
+        self.group_requests.append(GroupRequest(group, why))
         name = variable.removeprefix("the variable ")
         self.start_bound.learn(task.submit.spec, name)
         widened = self.start_bound.widen(task.submit.spec, task.submit.env)

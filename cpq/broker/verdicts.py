@@ -113,8 +113,10 @@ class Verdicts:
             try:
                 frame = protocol.encode_for(protocol.Done(result), features)
             except protocol.EncodeError as exc:
-                result.ranks = []
-                result.outcome, result.message = "error", f"result could not be encoded: {exc}"
+                # everything that can grow goes: the verdict must reach its client
+                result.ranks, result.coverage, result.notes = [], [], result.notes[:8]
+                result.outcome = "error"
+                result.message = f"result could not be encoded (coverage dropped): {exc}"[:4000]
                 frame = protocol.encode_for(protocol.Done(result), features)
             self.send_client(task.client, frame)
         # After the send: the client waits for the verdict, not for the history's disk write.

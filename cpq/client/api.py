@@ -323,6 +323,9 @@ class Client:
         for asked, feature in (
             (message.coverage, "task-coverage"),
             (message.own_groups, "session-groups"),
+            (message.rng, "task-rng"),  # else the ranks draw from the fixed seed
+            (message.retries != 1, "task-retries"),  # else a rerun plugin's attempts double
+            (message.debug_rank is not None, "pdb-relay"),
         ):
             if asked and feature not in self.broker_features:  # fail closed: never ignored
                 raise BadRequest(

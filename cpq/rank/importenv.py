@@ -57,8 +57,14 @@ def _importing() -> bool:
     return bool(_locks) or _own_imports[0] > 0
 
 
+#: Variables of the test harness, not of the code under test: they change with every test
+#: (``PYTEST_CURRENT_TEST``) or are cpq's and pytest's own wiring. A module that copies the
+#: whole environment at import must not cost a fresh group per test for them.
+HARNESS_PREFIXES = ("PYTEST_", "CPQ_", "COV_CORE_")
+
+
 def _record(name: str, value: str | None) -> None:
-    if name not in bound and name not in self_set:
+    if name not in bound and name not in self_set and not name.startswith(HARNESS_PREFIXES):
         bound[name] = value
         _expected[os.fsencode(name)] = None if value is None else os.fsencode(value)
         if _starting[0]:

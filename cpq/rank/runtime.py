@@ -356,7 +356,9 @@ def main() -> None:
             frame = protocol.encode_for(done, features)
         except protocol.EncodeError as exc:
             result.stdout = result.stderr = ""
-            result.error = protocol.RankError("cpq.EncodeError", str(exc))
+            done.coverage = b""  # everything that can grow goes: the report must get through
+            why = f"{exc} (this rank's output and coverage data were dropped)"
+            result.error = protocol.RankError("cpq.EncodeError", why[:4000])
             result.outcome, result.value = "failed", None
             frame = protocol.encode_for(done, features)
         link.take()

@@ -43,37 +43,49 @@ def _import(folder: Path, name: str, source: str) -> object:
 def test_a_read_during_an_import_binds_and_a_read_at_call_time_does_not(
     tracked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("CPQ_T_MODE", raising=False)
-    monkeypatch.setenv("CPQ_T_LEVEL", "3")
+    monkeypatch.delenv("TPL_T_MODE", raising=False)
+    monkeypatch.setenv("TPL_T_LEVEL", "3")
     importenv.start_done()
-    _import(tracked, "cpq_t_lib", "import os\nMODE = os.environ.get('CPQ_T_MODE')\n")
-    _import(tracked, "cpq_t_lib2", "import os\nLEVEL = os.getenv('CPQ_T_LEVEL')\n")
-    os.environ.get("CPQ_T_CALL")  # not importing: per task, binds nothing
-    assert importenv.bound == {"CPQ_T_MODE": None, "CPQ_T_LEVEL": "3"}
+    _import(tracked, "cpq_t_lib", "import os\nMODE = os.environ.get('TPL_T_MODE')\n")
+    _import(tracked, "cpq_t_lib2", "import os\nLEVEL = os.getenv('TPL_T_LEVEL')\n")
+    os.environ.get("TPL_T_CALL")  # not importing: per task, binds nothing
+    assert importenv.bound == {"TPL_T_MODE": None, "TPL_T_LEVEL": "3"}
     assert importenv.differs() == ("", False)
-    monkeypatch.setenv("CPQ_T_MODE", "fast")  # absent when imported: now a difference
-    assert importenv.differs() == ("CPQ_T_MODE", False)
-    monkeypatch.delenv("CPQ_T_MODE")
-    monkeypatch.setenv("CPQ_T_LEVEL", "4")
-    assert importenv.differs() == ("CPQ_T_LEVEL", False)
+    monkeypatch.setenv("TPL_T_MODE", "fast")  # absent when imported: now a difference
+    assert importenv.differs() == ("TPL_T_MODE", False)
+    monkeypatch.delenv("TPL_T_MODE")
+    monkeypatch.setenv("TPL_T_LEVEL", "4")
+    assert importenv.differs() == ("TPL_T_LEVEL", False)
+
+
+def test_the_harness_variables_bind_nothing(tracked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library that copies the whole environment at import reads PYTEST_CURRENT_TEST,
+    which changes with every test: binding it would cost a fresh group per test."""
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "test_a.py::test_one (call)")
+    monkeypatch.setenv("TPL_T_COPIED", "1")
+    importenv.start_done()
+    _import(tracked, "tpl_t_copy", "import os\nSNAPSHOT = dict(os.environ)\n")
+    assert "TPL_T_COPIED" in importenv.bound and "PYTEST_CURRENT_TEST" not in importenv.bound
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "test_a.py::test_two (call)")
+    assert importenv.differs() == ("", False)
 
 
 def test_start_up_bindings_are_marked_and_a_library_s_own_variable_binds_nothing(
     tracked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("CPQ_T_OWN", raising=False)
-    monkeypatch.setenv("CPQ_T_START", "a")
-    _import(tracked, "cpq_t_start", "import os\nos.environ.get('CPQ_T_START')\n")
-    _import(tracked, "cpq_t_own", "import os\nos.environ.setdefault('CPQ_T_OWN', '1')\n")
-    assert "CPQ_T_OWN" not in importenv.bound  # set by the import itself
-    monkeypatch.setenv("CPQ_T_START", "b")
-    assert importenv.differs() == ("CPQ_T_START", True)
+    monkeypatch.delenv("TPL_T_OWN", raising=False)
+    monkeypatch.setenv("TPL_T_START", "a")
+    _import(tracked, "cpq_t_start", "import os\nos.environ.get('TPL_T_START')\n")
+    _import(tracked, "cpq_t_own", "import os\nos.environ.setdefault('TPL_T_OWN', '1')\n")
+    assert "TPL_T_OWN" not in importenv.bound  # set by the import itself
+    monkeypatch.setenv("TPL_T_START", "b")
+    assert importenv.differs() == ("TPL_T_START", True)
 
 
 def test_a_test_file_executed_by_path_counts_as_an_import(tracked: Path) -> None:
     with importenv.importing():
-        os.environ.get("CPQ_T_FILE")
-    assert importenv.bound == {"CPQ_T_FILE": None}
+        os.environ.get("TPL_T_FILE")
+    assert importenv.bound == {"TPL_T_FILE": None}
 
 
 def test_the_caller_s_random_state_travels_and_is_installed() -> None:
