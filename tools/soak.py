@@ -137,14 +137,14 @@ class CountingClient(Client):
         self.done_frames: Counter[str] = Counter()
         super().__init__(*args, **kwargs)
 
-    def _on_frame(self, frame: bytes) -> None:
+    def _on_frame(self, frame: bytes) -> bool:
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError:
             message = None
         if isinstance(message, protocol.Done):
             self.done_frames[message.result.task_id] += 1
-        super()._on_frame(frame)
+        return super()._on_frame(frame)  # False for junk: no sign of a live broker
 
 
 @dataclass
