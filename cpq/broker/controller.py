@@ -70,7 +70,8 @@ class Controller:
                 # It may have been a submit whose variables a later env_same means: forget
                 # them, so that one is refused rather than run with older ones.
                 client.last_env = None
-            self.send_client(identity, protocol.ErrorReply(f"malformed message: {exc}"))
+            reply = protocol.ErrorReply(f"malformed message: {exc}", _task_id_of(frame))
+            self.send_client(identity, reply)
             return
         handler = self.client_handlers.get(type(message))
         if handler is None:
@@ -119,3 +120,14 @@ class Controller:
     def _junk(self, what: str, *args: object) -> None:
         self.totals.malformed += 1
         log.warning("dropping " + what, *args)
+
+
+def _task_id_of(frame: bytes) -> str:
+    """The task id a refused frame carried, if it was a map naming one: the client's refusal
+    then reaches the submit that waits for it, not another request of the client's."""
+    try:
+        data = protocol.unpack(frame)
+    except Exception:
+        return ""
+    task_id = data.get("task_id") if isinstance(data, dict) else None
+    return task_id if isinstance(task_id, str) and len(task_id) <= 256 else ""

@@ -290,3 +290,11 @@ def test_random_message_sequences_never_crash_the_broker(ops: list[tuple[Any, An
             if who == client and isinstance(m, protocol.Done)
         ]
         assert len(ids) == len(set(ids)), "a task answered twice"
+
+
+def test_a_refused_submit_names_its_task_so_the_client_pairs_the_refusal() -> None:
+    sim = warm_sim()
+    frame = protocol.pack({"v": protocol.PROTOCOL_VERSION, "k": "submit", "task_id": "t9"})
+    sim.broker.controller.on_client_frames([b"c1", frame])  # no target, no spec: malformed
+    (refusal,) = [m for who, m in sim.wire.to_clients if isinstance(m, protocol.ErrorReply)]
+    assert refusal.task_id == "t9" and "malformed" in refusal.message
