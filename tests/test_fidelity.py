@@ -356,11 +356,12 @@ def test_tasks_see_exactly_the_callers_environment(warm_broker: str, tmp_path: P
     write(tmp_path / "test_env.py", ENV_SUITE)
     names = ["test_flag_is_on", "test_gone_is_unset", "test_broker_env_stays_home"]
     on = session_env(warm_broker, MYPROJ_FLAG="on", OMP_NUM_THREADS="1")
-    assert [same_verdicts(tmp_path, on)[n] for n in names] == ["passed"] * 3
     changed = session_env(warm_broker, MYPROJ_FLAG="off", MYPROJ_GONE="1", OMP_NUM_THREADS="1")
-    assert [same_verdicts(tmp_path, changed)[n] for n in names] == ["failed", "failed", "passed"]
     unset = session_env(warm_broker, OMP_NUM_THREADS="1")
-    assert [same_verdicts(tmp_path, unset)[n] for n in names] == ["failed", "passed", "passed"]
+    expected = [["passed"] * 3, ["failed", "failed", "passed"], ["failed", "passed", "passed"]]
+    for env, verdicts in zip((on, changed, unset), expected, strict=True):
+        seen = same_verdicts(tmp_path, env)  # one session each way per environment
+        assert [seen[n] for n in names] == verdicts
 
 
 def test_a_start_variable_gets_a_group_of_its_own(warm_broker: str, tmp_path: Path) -> None:
