@@ -353,7 +353,7 @@ def test_chaos_three_brokers_random_sigkills_never_share_a_gpu(
 ) -> None:
     """Three brokers (two other users and this one) on the same two GPUs, each with a client
     submitting in a loop, while brokers and ranks (busy or idle) are SIGKILLed at random
-    for 30 s; killed brokers restart on the same state directory. No GPU is ever used by
+    for 15 s; killed brokers restart on the same state directory. No GPU is ever used by
     two groups at once, by what the ranks recorded."""
     brokers = [node.broker("a", users[0]), node.broker("b", users[1]), node.broker("c")]
     stop = threading.Event()
@@ -373,9 +373,9 @@ def test_chaos_three_brokers_random_sigkills_never_share_a_gpu(
     rng = random.Random(22)
     kills = {"broker": 0, "rank": 0}
     wait_until("a first task", node.lines, 120)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 15  # ~10 kills; a CI run of the suite is not a soak
     while time.monotonic() < deadline:
-        time.sleep(rng.uniform(1.5, 3.0))
+        time.sleep(rng.uniform(1.0, 2.0))
         ranks = [pid for broker in brokers for pid in rank_pids(broker)]
         if ranks and (rng.random() < 0.6 or not kills["rank"]):
             with contextlib.suppress(ProcessLookupError):  # a rank of a busy or idle group
