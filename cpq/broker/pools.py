@@ -294,7 +294,7 @@ class Pools:
         group.task = task
         group.spare = False  # an ordinary group now; the next tick starts a new spare
         group.sessions.add(session_of(task))
-        self.spares.used(group.spec, self.clock.monotonic())
+        self.spares.used(group.spec, self.clock.monotonic(), task.client)
         self.affinity.ran(group.spec, task.submit.affinity, group.id)
 
     def keep_spares(self, may_start: bool) -> None:
@@ -311,8 +311,28 @@ class Pools:
         if not may_start:
             return
         for spec in wanted:
-            if not any(g.spare for g in self.live(spec)) and not self.resources.impossible(spec):
-                self.start(spec, spare=True)
+            if any(g.spare for g in self.live(spec)) or self.resources.impossible(spec):
+                continue
+            if self.start(spec, spare=True) is None:
+                cost = self.spares.cost(spec, now)
+                cheaper = {s for s in wanted if self.spares.cost(s, now) < cost}
+                self._make_room_for_spare(spec, cheaper)
+
+    def _make_room_for_spare(self, spec: PoolSpec, below: set[PoolSpec]) -> None:
+        """Stop spares of the specs ``below`` (whose spawn costs less) if that lets the spare
+        of ``spec`` fit (the next tick starts it); a used group is never stopped for a spare,
+        and equal costs never trade places (that would only churn)."""
+        if any(g.state == "stopping" for g in self.groups.values()):
+            return  # room is already on its way back
+        victims = [g for g in self.groups.values() if g.spare and g.spec in below]
+        victims.sort(key=lambda g: g.last_used)
+        for count in range(1, len(victims) + 1):
+            freed = [(v.spec, v.process.gpus) for v in victims[:count]]
+            if self.resources.would_fit_after_freeing(spec, freed):
+                for victim in victims[:count]:
+                    why = f"its room goes to a spare of {spec.label()}, whose spawn costs more"
+                    self.stop(victim, why, recycled=False, cause="evicted")
+                return
 
     def release(self, group: Group) -> None:
         """A group finished its task cleanly: back to idle, or recycled (see below)."""
@@ -350,6 +370,7 @@ class Pools:
         group.state = "idle"
         group.ready_at = group.last_used = now
         group.ready_after_s = now - group.started_at
+        self.spares.spawned(group.spec, group.ready_after_s)
         self.totals.group_start_s += group.ready_after_s
         self.timeline.ready(group)
         log.info("group %s (%s) ready in %.2fs", group.id, group.spec.label(), group.ready_after_s)

@@ -21,13 +21,20 @@ The rules, carried out by :class:`~cpq.broker.pools.Pools` (this module only dec
   specs with no queued task go before idle used groups, and a spec that grows may evict
   spares even while it has groups of its own (a spare never blocks another spec's task);
 * a spare of a spec not used within the window is stopped; a spare that failed is not
-  replaced for :data:`RETRY_AFTER_S` (a broken interpreter must not spawn in a loop).
+  replaced for :data:`RETRY_AFTER_S` (a broken interpreter must not spawn in a loop);
+* on a tight budget the spare goes where a spawn would cost the waiting tests most: specs
+  are ranked by the median of their last measured spawns (start to ready, taken when a
+  group of the spec became ready) times the clients that used the spec within the window
+  (each of them would wait for that spawn). A spec that does not fit may stop the spares of
+  specs whose spawns cost less (never a used group; equal costs never trade) to make room:
+  a ws=2 spec whose spawn costs 7 s for two xdist workers takes the room a ws=1 spare held.
 
 Once a spare takes a task it is an ordinary group, and the next tick starts a new spare.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterable
 
 from cpq.broker.model import Group
@@ -46,14 +53,34 @@ class SparePolicy:
         self.window_s = window_s
         self.last_used: dict[PoolSpec, float] = {}
         self.failed_at: dict[PoolSpec, float] = {}
+        #: Per spec, the last few measured spawns (seconds from start to ready).
+        self.spawn_s: dict[PoolSpec, list[float]] = {}
+        #: Per spec, the clients that used it, and when last.
+        self.clients: dict[PoolSpec, dict[bytes, float]] = {}
 
     @property
     def enabled(self) -> bool:
         return self.count > 0
 
-    def used(self, spec: PoolSpec, now: float) -> None:
-        """A task of ``spec`` was given a group now."""
+    def used(self, spec: PoolSpec, now: float, client: bytes = b"") -> None:
+        """A task of ``spec`` (from ``client``) was given a group now."""
         self.last_used[spec] = now
+        self.clients.setdefault(spec, {})[client] = now
+
+    def spawned(self, spec: PoolSpec, seconds: float) -> None:
+        """A group of ``spec`` became ready ``seconds`` after it was started (measured)."""
+        recent = self.spawn_s.setdefault(spec, [])
+        recent.append(seconds)
+        del recent[:-5]
+
+    def cost(self, spec: PoolSpec, now: float) -> float:
+        """Seconds the tests of ``spec`` would wait for a spawn without a spare: the median of
+        its last measured spawns times its clients within the window (0 before any
+        measurement)."""
+        users = self.clients.get(spec, {})
+        recent = sum(1 for seen in users.values() if now - seen <= self.window_s)
+        spawns = self.spawn_s.get(spec)
+        return statistics.median(spawns) * max(recent, 1) if spawns else 0.0
 
     def failed(self, spec: PoolSpec, now: float) -> None:
         """A spare of ``spec`` failed now: hold off replacing it."""
@@ -65,10 +92,11 @@ class SparePolicy:
 
     def wanted(self, now: float) -> list[PoolSpec]:
         """Specs that should have a spare now (recently used, not in a failure's back-off),
-        most recently used first; forgets specs whose window has passed."""
+        the costliest first; forgets specs whose window has passed."""
         for spec in [s for s in self.last_used if not self.recent(s, now)]:
             del self.last_used[spec]
             self.failed_at.pop(spec, None)
+            self.clients.pop(spec, None)
         if not self.enabled:
             return []
         specs = [
@@ -76,7 +104,8 @@ class SparePolicy:
             for spec in self.last_used
             if now - self.failed_at.get(spec, -RETRY_AFTER_S) >= RETRY_AFTER_S
         ]
-        return sorted(specs, key=lambda s: -self.last_used[s])
+        # costliest first (see the module docstring); ties: most recently used first
+        return sorted(specs, key=lambda s: (-self.cost(s, now), -self.last_used[s]))
 
 
 def pick_idle(

@@ -298,3 +298,35 @@ def test_an_affinity_key_is_left_out_for_a_broker_that_does_not_read_it() -> Non
 )
 def test_the_default_key_is_the_test_function_without_its_parameters(nodeid: str, key: str) -> None:
     assert default_affinity(nodeid) == key
+
+
+def test_on_a_tight_budget_the_spare_goes_where_a_spawn_costs_the_waiting_tests_most() -> None:
+    """Room for both groups and one more ws=2 group: a ws=2 spec (7 s spawns, two xdist
+    workers: 14 s of waiting) and a ws=1 spec (2 s, one client) used last. The spare is the
+    ws=2 one; before, the most recently used spec took the room first (a ws=1 spare), and the
+    ws=2 spec, which has no spare then, paid a 7 s spawn after every edit. (Equal costs never
+    trade places: test_spares_are_evicted_before_idle_used_groups.)"""
+    sim = Sim(spares=1, max_ranks=5)
+    one, two = spec(1), spec(2)
+    for worker in (b"gw0", b"gw1"):
+        sim.client(worker, features=FEATURES)
+    t1 = sim.submit(client=b"gw0", pool_spec=two)
+    sim.clock.advance(7.0)
+    sim.bring_up("g1")
+    t2 = sim.submit(client=b"gw1", pool_spec=two)  # queued behind t1
+    sim.finish_all("g1", t1)
+    sim.finish_all("g1", t2)
+    t3 = sim.submit(client=b"gw0", pool_spec=one)  # used last
+    sim.clock.advance(2.0)
+    sim.bring_up("g2")
+    sim.finish_all("g2", t3)
+    for _ in range(6):  # spares start (and would trade places) and settle
+        sim.tick(0.05)
+        for group in list(sim.broker.pools.groups.values()):
+            if group.state == "starting":
+                sim.clock.advance(7.0 if group.spec == two else 2.0)  # a spare spawns alike
+                sim.bring_up(group.id)
+    spares = [g for g in sim.broker.pools.groups.values() if g.spare and g.state != "stopping"]
+    assert [g.spec.world_size for g in spares] == [2]
+    used = {g.id for g in sim.broker.pools.groups.values() if not g.spare}
+    assert used == {"g1", "g2"}  # a used group is never stopped for a spare
