@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
@@ -525,6 +525,24 @@ def encode_for(message: Message, features: frozenset[str]) -> bytes:
         elif isinstance(wire.get(outer), dict):
             wire[outer].pop(inner, None)
     return pack(wire)
+
+
+Handlers = Mapping[type["Message"], Callable[[Any], None]]
+
+
+def dispatch(frame: bytes, handlers: Handlers) -> str:
+    """Decode ``frame`` and call the handler of its kind; "" when handled, else why it is
+    junk (it does not decode, or its kind is not one ``handlers`` holds). The client and the
+    ranks read the broker's frames through this, and count junk instead of acting on it."""
+    try:
+        message = decode(frame)
+    except ProtocolError as exc:
+        return f"a malformed frame: {exc}"
+    handler = handlers.get(type(message))
+    if handler is None:
+        return f"{message.KIND!r}, which is not a message for this peer"
+    handler(message)
+    return ""
 
 
 def decode(frame: bytes) -> Message:

@@ -453,22 +453,13 @@ class Client:
             )
 
     def _on_frame(self, frame: bytes) -> bool:
-        """Handle one frame from the broker by its kind's handler; False for junk (a frame
-        that does not decode, or a kind no broker sends a client), which is counted in
-        ``malformed`` and logged, and is no sign of a live broker."""
-        try:
-            message = protocol.decode(frame)
-        except protocol.ProtocolError as exc:
+        """Handle one frame from the broker by its kind's handler; False for junk, which is
+        counted in ``malformed``, logged, and no sign of a live broker."""
+        junk = protocol.dispatch(frame, self._handlers)
+        if junk:
             self.malformed += 1
-            log.error("malformed message from the broker: %s", exc)
-            return False
-        handler = self._handlers.get(type(message))
-        if handler is None:
-            self.malformed += 1
-            log.error("dropping %r from the broker: not a message for a client", message.KIND)
-            return False
-        handler(message)
-        return True
+            log.error("dropping from the broker %s", junk)
+        return not junk
 
     def _on_done(self, message: protocol.Done) -> None:
         future = self._tasks.pop(message.result.task_id, None)

@@ -198,21 +198,13 @@ class Link:
         return woken
 
     def _on_broker_frame(self, frame: bytes) -> bool:
-        """Handle one frame by its kind's handler; False for junk (a frame that does not
-        decode, or a kind the broker never sends a rank), which is counted and logged."""
-        try:
-            message = protocol.decode(frame)
-        except protocol.ProtocolError as exc:
+        """Handle one frame by its kind's handler; False for junk, which is counted in
+        ``malformed``, logged, and no sign of a live broker."""
+        junk = protocol.dispatch(frame, self._handlers)
+        if junk:
             self.malformed += 1
-            log.error("dropping a malformed frame from the broker: %s", exc)
-            return False
-        handler = self._handlers.get(type(message))
-        if handler is None:
-            self.malformed += 1
-            log.error("dropping %r from the broker: not a message for a rank", message.KIND)
-            return False
-        handler(message)
-        return True
+            log.error("dropping from the broker %s", junk)
+        return not junk
 
     def _on_run_task(self, message: protocol.RunTask) -> None:
         self.tasks.append(message)
