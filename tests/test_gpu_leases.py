@@ -212,7 +212,10 @@ def test_an_idle_group_yields_to_another_users_broker_and_a_busy_one_is_never_in
     users: tuple[str, ...], node: Node
 ) -> None:
     """A's group is busy for 3 s while B's task waits for its GPUs: A's task runs to the end,
-    then A's now idle group yields and B's task starts within 2 s plus B's spawn."""
+    then A's now idle group yields and B's task starts soon after (A's group would otherwise
+    hold the GPUs for good: this broker has no idle expiry). How soon is a benchmark's figure
+    (tools/bench_leases.py, BENCHMARKS.md: ~0.1 s plus B's spawn on an idle machine); here the
+    bound only tells a yield from a wait, on a loaded two-core CI machine."""
     a = node.broker("a", users[0])
     b = node.broker("b", users[1])
     with ThreadPoolExecutor(2) as pool:
@@ -239,7 +242,7 @@ def test_an_idle_group_yields_to_another_users_broker_and_a_busy_one_is_never_in
     b_start = min(r["t"] for r in lines if r["tag"] == "b")
     b_spawn = b.status()["pools"][0]["ready_after_s"]
     latency = b_start - max(a_ticks)
-    assert latency <= 2.0 + b_spawn, f"b started {latency:.2f}s after a's task (spawn {b_spawn})"
+    assert latency <= 20.0 + b_spawn, f"b started {latency:.2f}s after a's task (spawn {b_spawn})"
     assert_no_gpu_shared(lines)
 
 
@@ -374,13 +377,16 @@ def test_chaos_three_brokers_random_sigkills_never_share_a_gpu(
     kills = {"broker": 0, "rank": 0}
     wait_until("a first task", node.lines, 120)
     deadline = time.monotonic() + 15  # ~10 kills; a CI run of the suite is not a soak
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or not all(kills.values()):
+        assert time.monotonic() < deadline + 90, f"no rank came up to be killed: {kills}"
         time.sleep(rng.uniform(1.0, 2.0))
         ranks = [pid for broker in brokers for pid in rank_pids(broker)]
         if ranks and (rng.random() < 0.6 or not kills["rank"]):
             with contextlib.suppress(ProcessLookupError):  # a rank of a busy or idle group
                 os.kill(rng.choice(ranks), signal.SIGKILL)
                 kills["rank"] += 1
+        elif not kills["rank"] or (kills["broker"] and time.monotonic() >= deadline):
+            continue  # the first kill is a rank's: wait for a group to come up (loaded CI)
         else:
             victim = rng.choice(brokers)
             victim.kill()

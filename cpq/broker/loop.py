@@ -290,7 +290,7 @@ class Broker:
                     if own is not None and not any(
                         g.state == "starting" for g in self.pools.live(spec)
                     ):  # the idle groups served other sessions: a new one, not a wait
-                        self.pools.start(spec, evict=True, queued=self._queued)
+                        self.pools.start(spec, evict=True, queued=self._queued, own_session=own)
                     break
                 queues.pop(spec)
                 self.pools.assign(group, task)

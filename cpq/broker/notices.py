@@ -9,7 +9,7 @@ tasks of the spec are queued. Only clients that said they read ``waiting`` get i
 from __future__ import annotations
 
 from cpq import protocol
-from cpq.broker.model import Client
+from cpq.broker.model import Client, session_of
 from cpq.broker.pools import Pools
 from cpq.broker.tasks import Tasks
 from cpq.protocol import PoolSpec
@@ -29,15 +29,25 @@ def due(
         client = clients.get(task.client)
         if client is None or "task-waiting" not in client.features():
             continue
-        text = why(task.spec, pools, tasks.queues.depth(task.spec))
+        own = session_of(task) if task.submit.own_groups else None
+        text = why(task.spec, pools, tasks.queues.depth(task.spec), own)
         out.append((task.client, protocol.Waiting(task.submit.task_id, text)))
     return out
 
 
-def why(spec: PoolSpec, pools: Pools, queued: int) -> str:
-    """``waiting for a ws2/gloo group (3fa2c1): 2 busy; 0 of 6 CPU ranks free; ...``"""
-    states = [g.state for g in pools.live(spec)]
+def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = None) -> str:
+    """``waiting for a ws2/gloo group (3fa2c1): 2 busy; 0 of 6 CPU ranks free; ...``
+
+    For a task that wants groups of its own session (``own_session``), idle groups that
+    served other sessions are named too: they are why it waits while groups look idle."""
+    live = pools.live(spec)
+    states = [g.state for g in live]
     counts = ", ".join(f"{states.count(s)} {s}" for s in ("busy", "starting") if s in states)
+    if own_session is not None:
+        others = sum(g.state == "idle" and not g.sessions <= {own_session} for g in live)
+        if others:
+            served = f"{others} idle but served other sessions (own groups asked)"
+            counts = f"{counts}, {served}" if counts else served
     resources = pools.resources
     if resources.uses_gpus(spec):
         room = f"{len(resources.free_gpus())} of {len(resources.gpus)} GPUs free"

@@ -150,11 +150,14 @@ class Pools:
         queued: Callable[[PoolSpec], bool] = lambda spec: False,
         spare: bool = False,
         waiting_since: float | None = None,
+        own_session: str | None = None,
     ) -> Group | None:
         """Start a group of ``spec``; None when there is no room (then spares of other specs
         are stopped if that makes room, and with ``evict`` idle used groups too, and GPUs
         other brokers hold are wanted) or torchrun did not start. A ``spare`` starts only
-        into free room. ``waiting_since``: when the oldest task it is for was queued."""
+        into free room. ``waiting_since``: when the oldest task it is for was queued;
+        ``own_session``: the task wants a group of its own session (idle groups of its spec
+        that served others may be evicted for it)."""
         now = self.clock.monotonic()
         since = float("inf")  # no task waits for it: any other broker's want comes first
         if waiting_since is not None:
@@ -162,7 +165,7 @@ class Pools:
         gpus = self.resources.allocate(spec, since, now)
         if gpus is None:
             if not spare:
-                self.evict_for(spec, queued, used=evict)
+                self.evict_for(spec, queued, used=evict, own_session=own_session)
                 if self.sharing is not None and self.resources.uses_gpus(spec):
                     self.sharing.want_for(spec, since, self.resources, self._stopping_gpus())
             return None
@@ -214,14 +217,19 @@ class Pools:
         }
 
     def evict_for(
-        self, spec: PoolSpec, queued: Callable[[PoolSpec], bool], used: bool = True
+        self,
+        spec: PoolSpec,
+        queued: Callable[[PoolSpec], bool],
+        used: bool = True,
+        own_session: str | None = None,
     ) -> None:
         """Stop groups of other specs if that makes ``spec`` fit: spares (idle or starting)
         of specs with nothing queued first, then (with ``used``) least-recently-used idle
-        groups, those whose spec has tasks ``queued`` last."""
+        groups, those whose spec has tasks ``queued`` last; with ``own_session`` also idle
+        groups of ``spec`` that served other sessions (:func:`spares.eviction_order`)."""
         if any(g.state == "stopping" for g in self.groups.values()):
             return  # resources are already on their way back; wait for them
-        candidates = spares.eviction_order(self.groups.values(), spec, queued, used)
+        candidates = spares.eviction_order(self.groups.values(), spec, queued, used, own_session)
         victims: list[Group] = []
         for group in candidates:
             victims.append(group)

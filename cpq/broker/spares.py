@@ -130,12 +130,28 @@ def pick_idle(
 
 
 def eviction_order(
-    groups: Iterable[Group], spec: PoolSpec, queued: Callable[[PoolSpec], bool], used: bool
+    groups: Iterable[Group],
+    spec: PoolSpec,
+    queued: Callable[[PoolSpec], bool],
+    used: bool,
+    own_session: str | None = None,
 ) -> list[Group]:
-    """Groups of other specs that may be stopped to make room for ``spec``, in order: spares
-    (idle or starting) of specs with nothing queued, least recently used first; then, with
-    ``used``, idle used groups, those whose spec has tasks ``queued`` last."""
+    """Groups that may be stopped to make room for ``spec``, in order: spares (idle or
+    starting) of other specs with nothing queued, least recently used first; then, with
+    ``used``, idle used groups, those whose spec has tasks ``queued`` last.
+
+    With ``own_session`` (a task that asked for groups of its own session) an idle group of
+    ``spec`` itself that served another session counts as one of another spec: it can never
+    take this task, and were it not a candidate the task would wait for good behind idle
+    groups filling the room (docs/design.md, "Groups of one's own")."""
+    groups = list(groups)
     others = [g for g in groups if g.spec != spec]
+    if own_session is not None:
+        others += [
+            g
+            for g in groups
+            if g.spec == spec and g.state == "idle" and not g.sessions <= {own_session}
+        ]
     spares = sorted(
         (g for g in others if g.spare and g.state in ("starting", "idle") and not queued(g.spec)),
         key=lambda g: g.last_used,

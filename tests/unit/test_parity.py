@@ -14,6 +14,7 @@ import numpy
 import pytest
 
 from cpq import protocol, rng
+from cpq.broker import notices
 from cpq.rank import importenv
 
 from .fakes import Sim, spec
@@ -129,6 +130,46 @@ def test_own_groups_take_only_groups_of_their_session() -> None:
     sim.finish_all("g2", "t2")
     submit(b"c1", "t3", own=True)  # g1 served only c1: it may serve c1 again
     assert sim.running("g1") == "t3"
+
+
+def test_own_groups_evict_idle_groups_of_other_sessions_when_they_fill_the_room() -> None:
+    """Idle groups of the spec that served another session fill --max-ranks: they can never
+    take an own-groups task, so one is evicted for it (before, the task waited for good
+    while the notice said "none yet")."""
+    sim = Sim(max_ranks=2)
+    sim.client(b"c1", features=FEATURES)
+    sim.client(b"c2", features=FEATURES)
+    pool = spec(2)
+
+    def submit(client: bytes, task_id: str, own: bool) -> None:
+        message = protocol.Submit(
+            task_id=task_id, target="m:f", spec=pool, session=client.decode(), own_groups=own
+        )
+        sim.client_send(client, message)
+
+    submit(b"c1", "t1", own=False)
+    sim.bring_up("g1")
+    sim.finish_all("g1", "t1")
+    submit(b"c2", "t2", own=True)
+    assert sim.states()["g1"] == "stopping"  # evicted: it served c1
+    sim.tick(1.0)  # reaped: its ranks are back
+    assert "g1" not in sim.states() and sim.states()["g2"] == "starting"
+    sim.bring_up("g2")
+    assert sim.running("g2") == "t2"
+    assert sim.done(b"c2") == {} and sim.errors(b"c2") == []
+
+
+def test_the_waiting_notice_names_idle_groups_an_own_groups_task_cannot_take() -> None:
+    sim = Sim(max_ranks=2)
+    sim.client(b"c1", features=FEATURES)
+    sim.submit(pool_spec=spec(2), task_id="t1", session="c1")
+    sim.bring_up("g1")
+    sim.finish_all("g1", "t1")
+    group = sim.broker.pools.groups["g1"]
+    text = notices.why(spec(2), sim.broker.pools, 1, own_session="c2")
+    assert "1 idle but served other sessions" in text, text
+    assert group.sessions == {"c1"} and "none yet" not in text
+    assert "served other sessions" not in notices.why(spec(2), sim.broker.pools, 1, "c1")
 
 
 def test_a_variable_bound_at_start_ends_in_an_error_naming_cpq_spec_env() -> None:
