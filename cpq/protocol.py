@@ -467,7 +467,7 @@ def encode(message: Message) -> bytes:
 #: features its peer does not list: an embedded broker outlives a ``pip install -U cpq``,
 #: and its decoder refuses fields it does not know, so without this a newer rank could
 #: never report ready to the older broker that spawned it. ``a.b`` names field ``b`` of the
-#: record in field ``a``.
+#: record in field ``a`` (of each record, where ``a`` is a list).
 FEATURES_ENV = "CPQ_BROKER_FEATURES"
 FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "rank-memory": {"rank_ready": ("rss_mb",), "rank_done": ("cuda_mb", "cuda_reserved_mb")},
@@ -483,6 +483,7 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "import-env": {"rank_ready": ("bound_env",), "rank_done": ("bound_env", "stale_start")},
     "session-groups": {"submit": ("session", "own_groups")},
     "task-rng": {"submit": ("rng",), "run": ("rng",)},
+    "rank-report": {"rank_done": ("result.report",), "done": ("result.ranks.report",)},
     "task-coverage": {
         "submit": ("coverage",),
         "run": ("coverage",),
@@ -519,12 +520,21 @@ def encode_for(message: Message, features: frozenset[str]) -> bytes:
         return frame
     wire = unpack(frame)
     for name in drop:
-        outer, _, inner = name.partition(".")
-        if not inner:
-            wire.pop(name, None)
-        elif isinstance(wire.get(outer), dict):
-            wire[outer].pop(inner, None)
+        _drop(wire, name.split("."))
     return pack(wire)
+
+
+def _drop(value: Any, path: list[str]) -> None:
+    """Remove the field at ``path`` from a decoded map; a list on the way applies the rest
+    of the path to each of its maps (``result.ranks.report``: every rank's ``report``)."""
+    if isinstance(value, list):
+        for item in value:
+            _drop(item, path)
+    elif isinstance(value, dict):
+        if len(path) == 1:
+            value.pop(path[0], None)
+        elif path[0] in value:
+            _drop(value[path[0]], path[1:])
 
 
 Handlers = Mapping[type["Message"], Callable[[Any], None]]

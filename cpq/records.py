@@ -100,6 +100,9 @@ class RankResult:
     peak_rss_mb: float = 0.0
     peak_cuda_mb: float = 0.0
     value: Any = None
+    #: A failure as pytest prints it (its ``>`` and ``E`` lines), rendered in the rank where
+    #: the frames are; "" where the rank runs no pytest (``error.traceback`` then).
+    report: str = ""
 
 
 @dataclass

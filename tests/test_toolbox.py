@@ -294,7 +294,24 @@ def test_skips_in_the_body():
 @pytest.mark.cpq(world_size=2)
 def test_prints():
     print("hello from", RANK_EXPR)
+
+
+def helper(values):
+    assert sum(values) == 4
+
+
+@pytest.mark.cpq(world_size=2)
+def test_fails_alike():
+    values = [1, 2]
+    helper(values)
 """.replace("RANK_EXPR", 'os.environ.get("RANK")')
+
+
+def failure_block(out: str, name: str) -> str:
+    """The failure section of test ``name`` up to its location line, as pytest printed it."""
+    match = re.search(rf"^_+ {name} _+\n(.*?^test_reports\.py:\d+: \w+)$", out, re.M | re.S)
+    assert match is not None, out
+    return match[1]
 
 
 def skipped_line(out: str) -> str:
@@ -307,14 +324,24 @@ def test_reports_read_like_a_fresh_runs(pytester: pytest.Pytester, shared: str) 
     pytester.makepyfile(test_reports=REPORTS)
     # README's registration of the marker for runs without cpq (no unknown-mark warning).
     pytester.makeini("[pytest]\nmarkers =\n    cpq(world_size=2): runs on torchrun ranks\n")
-    fresh = run(pytester, "-p", "no:cpq", "-rs", "--strict-markers")
+    fresh = run(pytester, "-p", "no:cpq", "-rfs", "--strict-markers")
     junit = pytester.path / "junit.xml"
-    out = run(pytester, "-rs", f"--junitxml={junit}", "-o", "junit_logging=system-out")
+    out = run(pytester, "-rfs", f"--junitxml={junit}", "-o", "junit_logging=system-out")
     assert skipped_line(out) == skipped_line(fresh) == "test_reports.py:8: not today"
+    # A failure reads as pytest printed it where it happened: the same > and E lines, the
+    # same short summary line and JUnit message (the rank's exception, not cpq's words).
+    block = failure_block(out, "test_fails_alike")
+    assert block == failure_block(fresh, "test_fails_alike"), (block, fresh)
+    assert ">       assert sum(values) == 4" in block and "E       assert 3 == 4" in block
+    summary = "FAILED test_reports.py::test_fails_alike - assert 3 == 4"
+    assert summary in out.splitlines() and summary in fresh.splitlines()
+    assert 'message="assert 3 == 4' in junit.read_text()
     system_out = re.findall(r"<system-out>(.*?)</system-out>", junit.read_text(), re.S)
     assert any("[rank 0] hello from 0" in s and "[rank 1] hello from 1" in s for s in system_out)
     # Under one pytest-randomly seed both runs take the tests in the same order.
     seed = ("-p", "randomly", "--randomly-seed=3")
     quiet, fresh_quiet = run(pytester, "-qq", *seed), run(pytester, "-p", "no:cpq", "-qq", *seed)
-    assert "cpq" not in quiet, quiet  # no cpq summary line: pytest's own lines only
-    assert quiet == fresh_quiet, (quiet, fresh_quiet)
+    # pytest's own lines only (no cpq summary line), but the report's line naming the ranks
+    extra = [line for line in quiet.splitlines() if line not in fresh_quiet.splitlines()]
+    assert [line.split(" of 2 ")[0] for line in extra] == ["cpq: failed on rank(s) [0, 1]"], extra
+    assert quiet.splitlines()[0] == fresh_quiet.splitlines()[0], (quiet, fresh_quiet)

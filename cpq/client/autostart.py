@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from cpq import __version__, lockfile, paths
 from cpq.lockfile import code_fingerprint
@@ -26,6 +27,19 @@ from cpq.lockfile import code_fingerprint
 log = logging.getLogger("cpq.client.autostart")
 
 DEFAULT_IDLE_EXIT_S = 600.0
+
+
+def code_difference(broker: dict[str, Any]) -> str:
+    """How a broker's cpq code differs from this process's, for a warning: the versions
+    when they differ, else the code fingerprints (:func:`code_fingerprint`: an edited
+    editable install keeps its version number, and "0.1.0 than 0.1.0" says nothing)."""
+    theirs, ours = broker.get("version", "?"), __version__
+    if theirs != ours:
+        return f"cpq {theirs} there, {ours} here"
+    return (
+        f"cpq {ours} both, but its source files differ: code {broker.get('code', '?')} "
+        f"there, {code_fingerprint()} here (an edit or reinstall since it started)"
+    )
 
 
 def broker_alive(endpoint: str) -> bool:
@@ -93,22 +107,20 @@ def replace_if_stale(endpoint: str, wait_s: float = 30.0) -> bool:
             busy = status["queue"] or others or any(p["task"] for p in status["pools"])
             if not broker.get("idle_exit_s") or busy:
                 log.warning(
-                    "the broker at %s (pid %s, cpq %s) runs other cpq code than this process "
-                    "(%s); it is %s, so it stays: stop it (cpq stop) to pick up this version",
+                    "the broker at %s (pid %s) runs other cpq code than this process (%s); "
+                    "it is %s, so it stays: stop it (cpq stop) to pick up this code",
                     endpoint,
                     broker.get("pid"),
-                    broker.get("version"),
-                    __version__,
+                    code_difference(broker),
                     "in use" if busy else "not a background broker",
                 )
                 return False
             log.warning(
-                "replacing the idle background broker at %s (pid %s, cpq %s): it runs other "
-                "cpq code than this process (%s)",
+                "replacing the idle background broker at %s (pid %s): it runs other cpq code "
+                "than this process (%s)",
                 endpoint,
                 broker.get("pid"),
-                broker.get("version"),
-                __version__,
+                code_difference(broker),
             )
             client.stop()
     except BrokerUnavailable as error:
@@ -201,6 +213,7 @@ __all__ = [
     "DEFAULT_IDLE_EXIT_S",
     "BrokerStartError",
     "broker_alive",
+    "code_difference",
     "code_fingerprint",
     "ensure_broker",
     "replace_if_stale",

@@ -29,7 +29,7 @@ from cpq.client import pdb_relay, reruns, timeouts
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,
-    RanksRepr,
+    ranks_repr,
     report_result,
     travelling_args,
 )
@@ -251,8 +251,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from cpq import __version__
-    from cpq.client.autostart import broker_alive, code_fingerprint
+    from cpq.client.autostart import broker_alive, code_difference, code_fingerprint
 
     session = config.stash[SESSION_KEY]
     try:
@@ -277,8 +276,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
     if broker.get("code", code_fingerprint()) != code_fingerprint():
         lines.append(
-            f"cpq: that broker runs other cpq code ({broker.get('version')}) than this session "
-            f"({__version__}); `cpq stop` it to use this version"
+            f"cpq: that broker runs other cpq code than this session ({code_difference(broker)}); "
+            "`cpq stop` it to use this code"
         )
     return lines
 
@@ -337,7 +336,7 @@ def pytest_runtest_makereport(
     if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
     if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
-        report.longrepr = RanksRepr(call.excinfo.value.longrepr(), str(item.path))
+        report.longrepr = ranks_repr(call.excinfo.value, str(item.path))
     location = item.stash.get(SKIP_LOCATION_KEY, None)
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
         report.longrepr = (location[0], location[1], report.longrepr[2])  # the body's skip

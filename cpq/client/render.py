@@ -444,7 +444,7 @@ def render_timings(summary: dict[str, Any], path: Path) -> str:
         f"{_when(summary['first_at'])} .. {_when(summary['last_at'])}",
         "",
         table(
-            ["project", "test", "runs", "fail", "err", "retry", "p50", "p95", "max"],
+            ["project", "test", "runs", "fail", "infra", "retry", "p50", "p95", "max"],
             [
                 [
                     _project(e.get("project", "")),
@@ -461,6 +461,11 @@ def render_timings(summary: dict[str, Any], path: Path) -> str:
             ],
         ),
     ]
+    if any(e["errors"] for e in tests):  # cpq's outcome "error": pytest's word is "failed"
+        lines.append(
+            "infra: cpq's outcome 'error' (a deadline passed, a rank died, a group did not "
+            "start); pytest reports each of them as a failed test"
+        )
     if summary["slowest"]:
         lines += [
             "",

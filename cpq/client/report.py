@@ -15,8 +15,12 @@ import sys
 from typing import Any
 
 import pytest
-from _pytest._code.code import ReprFileLocation, TerminalRepr
-from _pytest._io import TerminalWriter
+from _pytest._code.code import (
+    ReprEntryNative,
+    ReprExceptionInfo,
+    ReprFileLocation,
+    ReprTraceback,
+)
 
 from cpq import protocol
 from cpq.protocol import TaskResult
@@ -39,26 +43,40 @@ class CpqTaskFailed(Exception):
         self.target = target
 
     def longrepr(self) -> str:
-        """The report: what happened in one line, the retry notes, then the detail once
-        (the failing rank's traceback, or where each rank was when a deadline passed)."""
+        """The report, laid out as a fresh run's: the failing rank's report as pytest printed
+        it there (its ``>`` and ``E`` lines; the Python traceback where the rank ran no
+        pytest), what cpq adds (a deadline's per-rank stacks, retry notes), and one last line
+        saying which ranks failed. An infra error says so first: no user code is to blame."""
         result = self.result
         ranks = result.failed_ranks
         first_line, _, rest = (result.message or result.outcome).partition("\n")
-        if result.outcome == "error":
-            lines = [f"cpq infra error running {self.target}: {first_line}"]
-        else:
-            failing = [r.rank for r in ranks]
-            lines = [f"cpq: {self.target} failed on rank(s) {failing} (group {result.group_id})"]
-            if result.message:
-                lines.append(first_line)
-        lines += result.notes
-        if rest:
-            lines.append(rest)
         first = next((r for r in ranks if r.error is not None), None)
-        if first is not None and first.error is not None:
-            lines.append(f"--- rank {first.rank} ---")
-            lines.append(first.error.traceback or f"{first.error.type}: {first.error.message}")
+        detail = [_detail(first)] if first is not None else []
+        if result.outcome == "error":
+            lines = [f"cpq infra error running {self.target}: {first_line}", *result.notes]
+            return "\n".join([*lines, *([rest] if rest else []), *detail])
+        lines = [*detail, *([first_line] if result.message else []), *result.notes]
+        lines += [rest] if rest else []
+        failing = [r.rank for r in ranks] or sorted(r.rank for r in result.ranks)
+        whose = f"; the report above is rank {first.rank}'s" if detail and first else ""
+        lines.append(
+            f"cpq: failed on rank(s) {failing} of {len(result.ranks)} "
+            f"(group {result.group_id}){whose}"
+        )
         return "\n".join(lines)
+
+    def crash(self) -> str:
+        """The one line pytest's short summary and JUnit's ``message`` show: the failing
+        rank's exception as pytest words it (``assert 1 == 2``, ``ValueError: bad``), else
+        the verdict's own first line (a deadline, an infra error)."""
+        result = self.result
+        first = next((r for r in result.failed_ranks if r.error is not None), None)
+        if result.outcome == "failed" and first is not None and first.error is not None:
+            error = first.error
+            if error.type == "AssertionError" and error.message.startswith("assert "):
+                return error.message  # a rewritten assert: pytest drops the type, too
+            return f"{error.type}: {error.message}" if error.message else error.type
+        return self.longrepr().partition("\n")[0]
 
 
 def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
@@ -79,10 +97,10 @@ def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
                 out.flush()
             else:
                 item.add_report_section("call", f"{stream} rank {rank.rank}", labelled)
-    shown = {failed[0].error.traceback} if failed and failed[0].error else set()
+    shown = {_detail(failed[0])} if failed and failed[0].error else set()
     for rank in failed[1:]:
         if rank.error is not None:
-            text = rank.error.traceback or rank.error.message
+            text = _detail(rank)
             if text in shown:  # every rank failed alike: the report shows it once
                 continue
             shown.add(text)
@@ -96,6 +114,14 @@ def report_result(item: pytest.Item, result: TaskResult, target: str) -> None:
             item.stash[SKIP_LOCATION_KEY] = location
         pytest.skip(result.message or "skipped on every rank")
     raise CpqTaskFailed(result, target)
+
+
+def _detail(rank: protocol.RankResult) -> str:
+    """A failed rank's own report: pytest's rendering, else its traceback or message."""
+    error = rank.error
+    if error is None:
+        return ""
+    return rank.report or error.traceback or f"{error.type}: {error.message}"
 
 
 def skip_location(traceback: str) -> tuple[str, int] | None:
@@ -136,15 +162,15 @@ def travelling_args(item: pytest.Function) -> dict[str, Any]:
     return args
 
 
-class RanksRepr(TerminalRepr):
-    """A failed task's report: the whole text in the failure section, its first line in
-    the short summary and JUnit's ``message`` (on CI pytest prints a plain-text report whole
-    in the summary too, which would repeat every rank's stack)."""
-
-    def __init__(self, text: str, path: str) -> None:
-        self.text = text
-        self.reprcrash = ReprFileLocation(path, 0, text.partition("\n")[0])
-
-    def toterminal(self, tw: TerminalWriter) -> None:
-        for line in self.text.splitlines():
-            tw.line(line)
+def ranks_repr(failed: CpqTaskFailed, path: str) -> ReprExceptionInfo:
+    """A failed task's report as pytest's own exception report: the whole text in the
+    failure section (one native entry: it is already laid out), :meth:`CpqTaskFailed.crash`
+    in the short summary and JUnit's ``message``. Being pytest's own kind, it crosses
+    xdist's report serialisation whole; a plain-text report would lose the crash line there
+    and put the whole text into JUnit's ``message``."""
+    text = failed.longrepr()
+    entry = ReprEntryNative(lines=[line + "\n" for line in text.splitlines()])
+    return ReprExceptionInfo(
+        reprtraceback=ReprTraceback(reprentries=[entry], extraline=None, style="native"),
+        reprcrash=ReprFileLocation(path, 0, failed.crash()),
+    )

@@ -21,13 +21,14 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel, importenv, leases, pdb_relay
+from cpq.rank import cancel, failure_report, importenv, leases, pdb_relay
 from cpq.rank.capture import FdCapture
 from cpq.rank.coverage_task import measured
 from cpq.rank.freshness import CodeWatch
@@ -187,7 +188,7 @@ def run_task(
 ) -> tuple[protocol.RankResult, Ran]:
     ran = Ran()
     outcome: protocol.Outcome = "passed"
-    error, value = None, None
+    error, value, report = None, None, ""
     start = time.perf_counter()
     try:
         reset_state(baseline, task.seed, task.env, task.rng)
@@ -204,6 +205,8 @@ def run_task(
             except BaseException as exc:  # the task's failure is data, not our crash
                 outcome = "skipped" if _is_skip(exc) else "failed"
                 error = _describe(exc)
+                if outcome == "failed":
+                    report = failure_report.render(exc, _user_tb(exc))
                 value = None
                 if task.debug and outcome == "failed":
                     pdb_relay.keep(exc)  # its frames, for a post-mortem (pytest --pdb)
@@ -219,6 +222,7 @@ def run_task(
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         peak_cuda_mb=_peak_cuda_mb(),
         value=value,
+        report=report,
     )
     return result, ran
 
@@ -243,15 +247,20 @@ def _describe(exc: BaseException) -> protocol.RankError:
         else f"{kind.__module__}.{kind.__qualname__}"
     )
     message = getattr(exc, "msg", None) if _is_skip(exc) else None
-    tb = exc.__traceback__
-    # Hide cpq's own frames: the user's traceback starts at their code.
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(CPQ_DIR):
-        tb = tb.tb_next
+    tb = _user_tb(exc)  # hide cpq's own frames: the user's traceback starts at their code
     return protocol.RankError(
         type=name,
         message=str(message if message is not None else exc),
         traceback="".join(traceback.format_exception(kind, exc, tb)),
     )
+
+
+def _user_tb(exc: BaseException) -> TracebackType | None:
+    """``exc``'s traceback from the user's first frame on (cpq's own frames cut)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(CPQ_DIR):
+        tb = tb.tb_next
+    return tb
 
 
 def _pg_sequence() -> int:
