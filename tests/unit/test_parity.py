@@ -236,3 +236,20 @@ def test_an_older_peer_gets_none_of_the_new_fields() -> None:
     old = frozenset(protocol.ALL_FEATURES) - {"task-rng", "task-coverage", "session-groups"}
     wire = protocol.unpack(protocol.encode_for(submit, old))
     assert not {"rng", "coverage", "session", "own_groups"} & set(wire)
+
+
+def test_a_client_without_rank_report_gets_every_rank_without_its_report() -> None:
+    """``result.ranks.report``: the field is dropped from each rank of the list, and what is
+    left decodes; a peer that reads it gets every rank's report."""
+    ranks = [
+        protocol.RankResult(rank=r, outcome="failed", report=f"E   assert {r} == 9")
+        for r in range(2)
+    ]
+    done = protocol.Done(result=protocol.TaskResult(task_id="t", outcome="failed", ranks=ranks))
+    old = frozenset(protocol.ALL_FEATURES) - {"rank-report"}
+    wire = protocol.unpack(protocol.encode_for(done, old))
+    assert [set(r) & {"report"} for r in wire["result"]["ranks"]] == [set(), set()]
+    assert wire["result"]["ranks"][1]["rank"] == 1
+    new = protocol.decode(protocol.encode_for(done, protocol.ALL_FEATURES))
+    assert isinstance(new, protocol.Done)
+    assert [r.report for r in new.result.ranks] == ["E   assert 0 == 9", "E   assert 1 == 9"]
