@@ -35,3 +35,15 @@ def pid_namespace() -> int | None:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
+
+
+def available_memory_mb() -> float:
+    """``MemAvailable`` of ``/proc/meminfo`` in MB (0 where it cannot be read: not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0

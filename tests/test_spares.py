@@ -1,4 +1,4 @@
-"""Spares on a real broker (issue 15): a group that must be replaced is replaced at once.
+"""Spares on a real broker (issues 15, 20): a group that must be replaced is replaced at once.
 
 A private broker keeps one clean spare group per used spec. Two ways a group must go —
 an edit of a helper module the group imported (its ranks refuse the next task), and a
@@ -109,3 +109,48 @@ def test_after_a_failure_that_recycled_a_group_the_next_task_runs_on_the_spare(
     following = run(spare_client, project, "read")
     assert following.outcome == "passed"
     assert following.groups == [spare]
+
+
+def test_idle_spares_live_in_memory_so_a_full_box_keeps_one_per_spec(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Issue 20: a ws=1 and a ws=2 group fill a --max-ranks 3 box. An idle rank costs
+    memory, not a core, so both specs still get a spare (held within --spare-memory, each
+    reserving its spec's measured RSS), and after an edit of a helper the ws=2 task runs on
+    its spare at once: its verdict says it waited for no spawn. (Counted against cores, as
+    before and with --spare-memory 0, neither spare could start: tests/unit/test_spares.py.)"""
+    project = tmp_path_factory.mktemp("spare-memory-project")  # its own helper to edit
+    (project / "spare_targets.py").write_text(textwrap.dedent(TARGETS))
+    (project / "spare_helper.py").write_text("def value():\n    return 1\n")
+    state = tmp_path_factory.mktemp("spare-memory-broker")
+    process, endpoint = start_broker(
+        state, "--gpus", "none", "--max-ranks", "3", "--spare-memory", "8000"
+    )
+    try:
+        with Client(endpoint, name="test_spare_memory") as client:
+            for ws in (1, 2):
+                warm = client.submit("spare_targets:read", ws, roots=[str(project)], timeout=60)
+                assert warm.outcome == "passed", warm
+
+            def both_spares(status: dict[str, Any]) -> bool:
+                spares = [p for p in status["pools"] if p["spare"] and p["state"] == "idle"]
+                return sorted(p["world_size"] for p in spares) == [1, 2]
+
+            status = wait_for_status(client, "a spare per spec", both_spares, within=120)
+            spares = {p["world_size"]: p for p in status["pools"] if p["spare"]}
+            assert all(p["spare_memory_mb"] > 0 for p in spares.values()), spares
+            assert status["broker"]["spare_memory_used_mb"] == pytest.approx(
+                sum(p["spare_memory_mb"] for p in spares.values())
+            )
+            alive = sum(p["world_size"] for p in status["pools"] if p["state"] != "stopping")
+            assert alive == 6  # 3 ranks in cores, 3 in memory
+            helper = project / "spare_helper.py"
+            helper.write_text("def value():\n    return 3\n")
+            saved = time.time_ns() - 1_000_000_000
+            os.utime(helper, ns=(saved, saved))
+            edited = client.submit("spare_targets:read", 2, roots=[str(project)], timeout=60)
+            assert edited.outcome == "passed" and edited.value == 3, edited
+            assert edited.groups == [spares[2]["id"]]
+            assert edited.spawn_wait_s == 0.0
+    finally:
+        stop_broker(process)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cpq import paths
+from cpq import osutil, paths
 from cpq.broker.logfile import LogFileHandler
 from cpq.protocol import PoolSpec
 from cpq.specs import default_roots, make_spec
@@ -149,6 +149,14 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a spec keeps its spare while it ran a task within this many seconds (default 600)",
     )
     parser.add_argument(
+        "--spare-memory",
+        type=float,
+        metavar="MB",
+        help="memory CPU spares may hold beyond --max-ranks: an idle rank costs memory, not a "
+        "core (each spare counts its spec's measured RSS; default: a quarter of the memory "
+        "available when the broker starts; 0: spares count against --max-ranks)",
+    )
+    parser.add_argument(
         "--insecure", action="store_true", help="allow a tcp endpoint without keys (loopback only)"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -195,6 +203,12 @@ def _run_broker(args: argparse.Namespace) -> int:
     if args.max_ranks < 1:
         print("cpq-broker: --max-ranks must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    if args.spare_memory is not None and args.spare_memory < 0:
+        print("cpq-broker: --spare-memory must be 0 or more (MB)", file=sys.stderr)
+        return EXIT_USAGE
+    spare_memory_mb = args.spare_memory
+    if spare_memory_mb is None:
+        spare_memory_mb = osutil.available_memory_mb() / 4
     from cpq.broker import inventory, leasedir
 
     try:
@@ -234,6 +248,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         max_rss_growth_mb=args.max_rss_growth,
         spares=args.spares,
         spare_window_s=args.spare_window,
+        spare_memory_mb=spare_memory_mb,
         warm=warm,
     )
     try:

@@ -52,6 +52,9 @@ class BrokerConfig:
     #: :mod:`cpq.broker.spares`), and how recently a spec must have run a task to keep one.
     spares: int = 1
     spare_window_s: float = 600.0
+    #: Memory (MB) CPU spares may hold beyond ``max_ranks`` (``--spare-memory``; 0: spares
+    #: count against ``max_ranks`` like every group). :mod:`cpq.broker.spares` says why.
+    spare_memory_mb: float = 0.0
     #: Groups to start at start-up, as (spec, count) (``--warm``).
     warm: list[tuple[PoolSpec, int]] = field(default_factory=list)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cpq import protocol
-from cpq.broker import liveness, notices, snapshot, warming
+from cpq.broker import liveness, notices, snapshot, spare_keeping, warming
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.controller import Controller
@@ -334,7 +334,9 @@ class Broker:
         self.tasks.debug.tick()
         self.settle()  # also: queued tasks may have waited long enough to grow a pool
         # Spares take free room only when nothing is queued (queued tasks come first).
-        self.pools.keep_spares(may_start=not (self.stopping or self.draining or self.tasks.queues))
+        spare_keeping.keep_spares(
+            self.pools, may_start=not (self.stopping or self.draining or self.tasks.queues)
+        )
         self.settle()  # a spare that could not even start is a failure to carry out
         if self.pools.sharing is not None:  # other brokers' wants, ours, yields
             self.pools.sharing.tick(self.pools.groups, self._yield)

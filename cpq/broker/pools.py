@@ -2,7 +2,7 @@
 
 A pool is every group of one :class:`~cpq.protocol.PoolSpec`. This module starts groups
 (evicting idle groups of other specs when GPUs are short), stops and reaps them, recycles
-them after a task, keeps one clean spare per recently used spec (:mod:`cpq.broker.spares`),
+them after a task, starts the spares :mod:`cpq.broker.spare_keeping` asks for,
 picks the idle group a task goes to (:mod:`cpq.broker.affinity`), and watches them every
 tick: torchrun's exit code, silent ranks, a start that takes too long. What goes wrong is
 reported as :class:`GroupFailed` events in :attr:`Pools.failures`; pools never call the
@@ -97,6 +97,7 @@ class Pools:
             self.leases,
             config.fake_gpus,
             refused,
+            config.spare_memory_mb,
         )
         self.groups: dict[str, Group] = {}
         self.ranks: dict[bytes, tuple[Group, Rank]] = {}
@@ -130,7 +131,14 @@ class Pools:
         other used groups loaded the same code). ``own_session``: only a group that served
         no other session (``Submit.own_groups``).
         """
-        idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
+        stopping = self._stopping_cpu_ranks()
+        idle = [
+            g
+            for g in self.groups.values()
+            if g.spec == spec
+            and g.state == "idle"
+            and (not g.memory_mb or self.resources.can_promote(spec, stopping))
+        ]
         preferred = self.affinity.group_for(spec, affinity)
         return spares.pick_idle(idle, preferred, fresh, own_session)
 
@@ -162,7 +170,13 @@ class Pools:
         since = float("inf")  # no task waits for it: any other broker's want comes first
         if waiting_since is not None:
             since = self.clock.time() - (now - waiting_since)
-        gpus = self.resources.allocate(spec, since, now)
+        gpus: list[str] | None = None
+        memory_mb = 0.0  # a CPU spare held in memory beyond --max-ranks (spares.py)
+        need_mb = self.spares.memory_need(spec) if spare else 0.0
+        if need_mb and self.resources.reserve_spare_memory(spec, need_mb):
+            gpus, memory_mb = [], need_mb
+        if gpus is None:
+            gpus = self.resources.allocate(spec, since, now)
         if gpus is None:
             if not spare:
                 self.evict_for(spec, queued, used=evict, own_session=own_session)
@@ -191,6 +205,7 @@ class Pools:
             started_wall=self.clock.time(),
             last_used=now,
             spare=spare,
+            memory_mb=memory_mb,
         )
         self.groups[group_id] = group
         self.totals.groups_started += 1
@@ -209,6 +224,14 @@ class Pools:
             process.pid,
         )
         return group
+
+    def _stopping_cpu_ranks(self) -> int:
+        """Ranks of stopping CPU groups that count against ``--max-ranks``."""
+        return sum(
+            g.spec.world_size
+            for g in self.groups.values()
+            if g.state == "stopping" and not g.memory_mb and not self.resources.uses_gpus(g.spec)
+        )
 
     def _stopping_gpus(self) -> set[str]:
         """GPUs of groups on their way out: they come back without another broker's help."""
@@ -229,7 +252,8 @@ class Pools:
         groups of ``spec`` that served other sessions (:func:`spares.eviction_order`)."""
         if any(g.state == "stopping" for g in self.groups.values()):
             return  # resources are already on their way back; wait for them
-        candidates = spares.eviction_order(self.groups.values(), spec, queued, used, own_session)
+        holding = [g for g in self.groups.values() if not g.memory_mb]  # the rest hold no room
+        candidates = spares.eviction_order(holding, spec, queued, used, own_session)
         victims: list[Group] = []
         for group in candidates:
             victims.append(group)
@@ -301,46 +325,12 @@ class Pools:
         group.state = "busy"
         group.task = task
         group.spare = False  # an ordinary group now; the next tick starts a new spare
+        if group.memory_mb:  # held in memory until now: its ranks take cores from here on
+            self.resources.promote(group.spec, group.memory_mb)
+            group.memory_mb = 0.0
         group.sessions.add(session_of(task))
         self.spares.used(group.spec, self.clock.monotonic(), task.client)
         self.affinity.ran(group.spec, task.submit.affinity, group.id)
-
-    def keep_spares(self, may_start: bool) -> None:
-        """One spare per recently used spec (:mod:`cpq.broker.spares`): stop the spares of
-        specs no longer used, and start missing ones into free room when ``may_start`` (no
-        task is queued)."""
-        now = self.clock.monotonic()
-        wanted = self.spares.wanted(now)
-        for group in list(self.groups.values()):
-            unused = not self.spares.recent(group.spec, now)
-            if group.spare and group.state != "stopping" and unused:
-                why = f"spare unused: no task of its spec for {self.spares.window_s:g}s"
-                self.stop(group, why, recycled=False, cause="spare-unused")
-        if not may_start:
-            return
-        for spec in wanted:
-            if any(g.spare for g in self.live(spec)) or self.resources.impossible(spec):
-                continue
-            if self.start(spec, spare=True) is None:
-                cost = self.spares.cost(spec, now)
-                cheaper = {s for s in wanted if self.spares.cost(s, now) < cost}
-                self._make_room_for_spare(spec, cheaper)
-
-    def _make_room_for_spare(self, spec: PoolSpec, below: set[PoolSpec]) -> None:
-        """Stop spares of the specs ``below`` (whose spawn costs less) if that lets the spare
-        of ``spec`` fit (the next tick starts it); a used group is never stopped for a spare,
-        and equal costs never trade places (that would only churn)."""
-        if any(g.state == "stopping" for g in self.groups.values()):
-            return  # room is already on its way back
-        victims = [g for g in self.groups.values() if g.spare and g.spec in below]
-        victims.sort(key=lambda g: g.last_used)
-        for count in range(1, len(victims) + 1):
-            freed = [(v.spec, v.process.gpus) for v in victims[:count]]
-            if self.resources.would_fit_after_freeing(spec, freed):
-                for victim in victims[:count]:
-                    why = f"its room goes to a spare of {spec.label()}, whose spawn costs more"
-                    self.stop(victim, why, recycled=False, cause="evicted")
-                return
 
     def release(self, group: Group) -> None:
         """A group finished its task cleanly: back to idle, or recycled (see below)."""
@@ -378,7 +368,7 @@ class Pools:
         group.state = "idle"
         group.ready_at = group.last_used = now
         group.ready_after_s = now - group.started_at
-        self.spares.spawned(group.spec, group.ready_after_s)
+        self.spares.spawned(group.spec, group.ready_after_s, sum(group.rss_ready_mb.values()))
         self.totals.group_start_s += group.ready_after_s
         self.timeline.ready(group)
         log.info("group %s (%s) ready in %.2fs", group.id, group.spec.label(), group.ready_after_s)
@@ -402,7 +392,7 @@ class Pools:
     def _tick_group(self, group: Group, now: float) -> None:
         if group.state == "stopping":
             if group.process.reap(now):
-                self.resources.release(group.spec, group.process.gpus)
+                self.resources.release(group.spec, group.process.gpus, group.memory_mb)
                 del self.groups[group.id]
                 self.timeline.gone(group)
             return

@@ -7,7 +7,9 @@ thin dispatcher and these rules can be read (and changed) in one place:
   client with a thousand queued tasks cannot starve another with one;
 * GPUs are handed out as disjoint sets (unless ``oversubscribe``), each leased node-wide
   first (:mod:`cpq.broker.leases`: a GPU another broker holds is not free); CPU (gloo)
-  groups are bounded by ``max_ranks``;
+  groups are bounded by ``max_ranks`` (cores), except spares, which may also be held in
+  ``spare_memory_mb`` beyond it (an idle rank costs memory, not a core; see
+  :mod:`cpq.broker.spares`);
 * a spec that can never run on this node is rejected up front, never queued.
 """
 
@@ -137,6 +139,7 @@ class Resources:
         leases: Leases | None = None,
         fake: bool = False,
         refused: dict[str, str] | None = None,
+        spare_memory_mb: float = 0.0,
     ) -> None:
         self.gpus = list(gpus)
         self.max_ranks = max_ranks
@@ -146,6 +149,10 @@ class Resources:
         self.refused = refused or {}  # GPUs of the node this broker may not lease, and why
         self._gpu_users: dict[str, int] = {g: 0 for g in self.gpus}
         self.cpu_ranks_used = 0
+        #: Memory CPU spares may hold beyond ``max_ranks``, and how much they hold (each
+        #: such spare reserves its spec's measured ready RSS).
+        self.spare_memory_mb = spare_memory_mb
+        self.spare_memory_used_mb = 0.0
 
     def backend_for(self, spec: PoolSpec) -> str:
         # A node whose GPUs were all refused (unsafe lease files) still has GPUs: its GPU
@@ -233,8 +240,32 @@ class Resources:
             return candidates[:ws] if len(candidates) >= ws else None
         return self.leases.take(candidates, ws, since, now)
 
-    def release(self, spec: PoolSpec, gpus: list[str]) -> None:
-        if not self.uses_gpus(spec):
+    def reserve_spare_memory(self, spec: PoolSpec, need_mb: float) -> bool:
+        """Hold a CPU spare of ``spec`` in memory beyond ``max_ranks``: True when ``need_mb``
+        (its measured ready RSS, all ranks) fits what other such spares left."""
+        if self.uses_gpus(spec) or need_mb <= 0:
+            return False
+        if self.spare_memory_used_mb + need_mb > self.spare_memory_mb:
+            return False
+        self.spare_memory_used_mb += need_mb
+        return True
+
+    def can_promote(self, spec: PoolSpec, stopping_ranks: int) -> bool:
+        """May a spare held in memory take a task now? Only if its ranks fit ``max_ranks``
+        beside the other CPU groups, not counting ``stopping_ranks`` (groups on their way
+        out compute nothing: typically the group the spare replaces)."""
+        return self.cpu_ranks_used - stopping_ranks + spec.world_size <= self.max_ranks
+
+    def promote(self, spec: PoolSpec, memory_mb: float) -> None:
+        """A spare held in memory took a task: its ranks count against ``max_ranks`` now."""
+        self.spare_memory_used_mb -= memory_mb
+        self.cpu_ranks_used += spec.world_size
+
+    def release(self, spec: PoolSpec, gpus: list[str], memory_mb: float = 0.0) -> None:
+        """A group is gone; ``memory_mb``: it was a spare held in memory (no core held)."""
+        if memory_mb:
+            self.spare_memory_used_mb -= memory_mb
+        elif not self.uses_gpus(spec):
             self.cpu_ranks_used -= spec.world_size
         for gpu in gpus:
             self._gpu_users[gpu] -= 1

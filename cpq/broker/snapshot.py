@@ -41,6 +41,8 @@ def describe(
         "gpu_leases": str(config.gpu_leases or ""),
         "gpu_yields": pools.sharing.yields if pools.sharing else 0,
         "max_ranks": config.max_ranks,
+        "spare_memory_mb": config.spare_memory_mb,
+        "spare_memory_used_mb": pools.resources.spare_memory_used_mb,
         "heartbeat_s": config.heartbeat_s,
         "liveness": config.liveness,
         "log_dir": str(config.log_dir),
@@ -118,6 +120,7 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
         "gpus": group.process.gpus,
         "state": group.state,
         "spare": group.spare,  # clean: has run no task yet (cpq.broker.spares)
+        "spare_memory_mb": group.memory_mb,  # a spare held in memory beyond --max-ranks
         "pid": group.process.pid,
         "rank_pids": sorted(group.process.rank_pids),
         "uptime_s": now - group.started_at,

@@ -29,6 +29,17 @@ The rules, carried out by :class:`~cpq.broker.pools.Pools` (this module only dec
   specs whose spawns cost less (never a used group; equal costs never trade) to make room:
   a ws=2 spec whose spawn costs 7 s for two xdist workers takes the room a ws=1 spare held.
 
+* on CPU, a spare is held in memory rather than in a core when it fits: an idle rank
+  computes nothing, so ``--max-ranks`` (cores) bounds the ranks that run tasks, and spares
+  may also live beyond it within ``--spare-memory`` (each reserving its spec's measured ready
+  RSS, the sum over its ranks, until it takes a task or stops). A ws=1 and a ws=2 group on a
+  ``--max-ranks 4`` box then both keep their spare. Such a spare takes a task only when its
+  ranks fit ``--max-ranks`` beside the other groups, not counting groups that are stopping
+  (the one it replaces, typically); it is never evicted to make room (it holds none). Idle
+  *used* groups still count against ``--max-ranks``: a task of their spec may arrive at any
+  moment and would find no core, while a spare takes a task only when a group of its spec
+  is replaced, which frees the cores that group held.
+
 Once a spare takes a task it is an ordinary group, and the next tick starts a new spare.
 """
 
@@ -55,6 +66,8 @@ class SparePolicy:
         self.failed_at: dict[PoolSpec, float] = {}
         #: Per spec, the last few measured spawns (seconds from start to ready).
         self.spawn_s: dict[PoolSpec, list[float]] = {}
+        #: Per spec, the last few measured ready RSS of a whole group (MB, sum of its ranks).
+        self.ready_rss_mb: dict[PoolSpec, list[float]] = {}
         #: Per spec, the clients that used it, and when last.
         self.clients: dict[PoolSpec, dict[bytes, float]] = {}
 
@@ -67,11 +80,21 @@ class SparePolicy:
         self.last_used[spec] = now
         self.clients.setdefault(spec, {})[client] = now
 
-    def spawned(self, spec: PoolSpec, seconds: float) -> None:
-        """A group of ``spec`` became ready ``seconds`` after it was started (measured)."""
+    def spawned(self, spec: PoolSpec, seconds: float, rss_mb: float = 0.0) -> None:
+        """A group of ``spec`` became ready ``seconds`` after it was started, its ranks
+        holding ``rss_mb`` together (both measured)."""
         recent = self.spawn_s.setdefault(spec, [])
         recent.append(seconds)
         del recent[:-5]
+        if rss_mb > 0:
+            sizes = self.ready_rss_mb.setdefault(spec, [])
+            sizes.append(rss_mb)
+            del sizes[:-5]
+
+    def memory_need(self, spec: PoolSpec) -> float:
+        """What a spare of ``spec`` held in memory reserves: the largest of its last measured
+        ready RSS (0 before any measurement: then it needs room in ``--max-ranks``)."""
+        return max(self.ready_rss_mb.get(spec) or [0.0])
 
     def cost(self, spec: PoolSpec, now: float) -> float:
         """Seconds the tests of ``spec`` would wait for a spawn without a spare: the median of

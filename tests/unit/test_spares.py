@@ -330,3 +330,83 @@ def test_on_a_tight_budget_the_spare_goes_where_a_spawn_costs_the_waiting_tests_
     assert [g.spec.world_size for g in spares] == [2]
     used = {g.id for g in sim.broker.pools.groups.values() if not g.spare}
     assert used == {"g1", "g2"}  # a used group is never stopped for a spare
+
+
+def two_specs_used(**config: object) -> Sim:
+    """A ``--max-ranks 4`` broker whose ws=1 group g1 and ws=2 group g2 each ran a task (3
+    of the 4 cores held), whose ranks measured 100 MB at ready, and whose spares have
+    started and come up."""
+    sim = Sim(spares=1, max_ranks=4, **config)
+    sim.client(features=FEATURES)
+    for group_id, ws in (("g1", 1), ("g2", 2)):
+        task = sim.submit(pool_spec=spec(ws))
+        sim.bring_up(group_id, rss_mb=100.0)
+        sim.finish_all(group_id, task)
+    for _ in range(3):
+        sim.tick(0.05)
+        for group in list(sim.broker.pools.groups.values()):
+            if group.state == "starting":
+                sim.bring_up(group.id, rss_mb=100.0)
+    return sim
+
+
+def live_spares(sim: Sim) -> dict[int, float]:
+    """World size -> the memory its spare holds beyond --max-ranks (0: it holds cores)."""
+    groups = sim.broker.pools.groups.values()
+    return {g.spec.world_size: g.memory_mb for g in groups if g.spare and g.state != "stopping"}
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(1000.0, {1: 100.0, 2: 200.0}), (150.0, {1: 100.0}), (0.0, {1: 0.0})],
+    ids=["both-fit", "only-the-smaller-fits", "no-memory-budget"],
+)
+def test_idle_spares_are_held_in_memory_beyond_max_ranks(
+    budget: float, expected: dict[int, float]
+) -> None:
+    """Issue 20: a ws=1 and a ws=2 spec on a --max-ranks 4 CPU box. Counted against cores,
+    only the ws=1 spare fits and every edit costs the ws=2 tests a spawn; an idle rank costs
+    memory, not a core, so within --spare-memory both keep a spare (each reserving its
+    spec's measured ready RSS), and the cores stay as they were for groups that run tasks."""
+    sim = two_specs_used(spare_memory_mb=budget)
+    assert live_spares(sim) == expected
+    resources = sim.broker.pools.resources
+    assert resources.spare_memory_used_mb == sum(expected.values())
+    assert resources.cpu_ranks_used == 3 + sum(ws for ws, mb in expected.items() if not mb)
+
+
+def test_a_spare_held_in_memory_replaces_its_spec_s_group_and_then_holds_cores() -> None:
+    sim = two_specs_used(spare_memory_mb=1000.0)
+    spare = next(g for g in sim.broker.pools.groups.values() if g.spare and g.spec == spec(2))
+    edited = sim.submit(pool_spec=spec(2))
+    assert sim.running("g2") == edited
+    result = protocol.RankResult(rank=0, outcome="error")
+    stale = protocol.RankDone(task_id=edited, result=result, stale="/project/helper.py")
+    sim.rank_send(sim.rank_id("g2", 0), stale)
+    assert sim.states()["g2"] == "stopping"
+    assert sim.running(spare.id) == edited  # at once: g2's cores are on their way back
+    resources = sim.broker.pools.resources
+    assert spare.memory_mb == 0.0 and resources.spare_memory_used_mb == 100.0
+    sim.tick(0.05)  # g2 reaped; a new ws=2 spare starts, in memory again
+    assert resources.cpu_ranks_used == 3
+    assert live_spares(sim) == {1: 100.0, 2: 200.0}
+    sim.finish_all(spare.id, edited)
+    assert sim.done()[edited].outcome == "passed"
+
+
+def test_a_spare_held_in_memory_waits_for_cores_rather_than_oversubscribe_them() -> None:
+    """Cores bound the ranks that run tasks: with every core held by groups that serve, a
+    task does not take its spec's spare from memory; it runs when a core comes back."""
+    sim = two_specs_used(spare_memory_mb=1000.0)
+    one = sim.submit(pool_spec=spec(1))
+    first = sim.submit(pool_spec=spec(2))
+    assert sim.running("g1") == one and sim.running("g2") == first
+    sim.tick(0.05)
+    second = sim.submit(pool_spec=spec(2))
+    sim.tick(1.5)  # long enough to grow: no room in cores, and the spare may not take it
+    resources = sim.broker.pools.resources
+    assert resources.cpu_ranks_used <= 4
+    spares = [g.id for g in sim.broker.pools.groups.values() if g.spare]
+    assert spares and all(sim.running(g) is None for g in spares)
+    sim.finish_all("g2", first)
+    assert sim.running("g2") == second
