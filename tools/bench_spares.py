@@ -17,7 +17,12 @@ per mode (``--spares 1`` and ``--spares 0``), ws=2 gloo:
   rank 1 is stuck in the case's first collective: wall, and the summed and largest queue
   waits from the broker's timing history.
 
-Usage: ``python tools/bench_spares.py [--reps 3] [--json tools/results/bench_spares.json]``
+* ``full box`` (``--full-box``, issue 20): ``--max-ranks 3`` held by a ws=1 and a ws=2
+  group, so no spare fits the cores; spares held in memory (the default ``--spare-memory``)
+  against ``--spare-memory 0``. The wait of the ws=2 task after each helper edit, the spawn
+  the broker says it waited for (``spawn_wait_s``), and what the spares held.
+
+Usage: ``python tools/bench_spares.py [--reps 3] [--full-box] [--json ...]``
 """
 
 from __future__ import annotations
@@ -152,6 +157,58 @@ def replace_waits(work: Path, spares: bool, reps: int, env: dict[str, str]) -> d
     }
 
 
+def full_box_waits(work: Path, memory: bool, reps: int, env: dict[str, str]) -> dict[str, Any]:
+    """The ``full box`` measurement: edits on a --max-ranks 3 box full of a ws=1 and a ws=2
+    group, spares held in memory (``memory``) or not (``--spare-memory 0``)."""
+    mode = "memory" if memory else "cores"
+    project = work / f"project-box-{mode}"
+    project.mkdir()
+    (project / "bench_targets.py").write_text(textwrap.dedent(TARGETS))
+    helper = project / "bench_helper.py"
+    helper.write_text("def value():\n    return 0\n")
+    extra = ("--max-ranks", "3") + (() if memory else ("--spare-memory", "0"))
+    broker = PrivateBroker(
+        work / f"state-box-{mode}", work / f"logs-box-{mode}", "none", env, extra
+    )
+    waits: list[float] = []
+    spawn_waits: list[float] = []
+    held: list[float] = []
+    try:
+        with Client(broker.endpoint, name="bench_spares") as client:
+
+            def run(ws: int) -> tuple[Any, float]:
+                started = time.perf_counter()
+                result = client.submit("bench_targets:read", ws, roots=[str(project)], timeout=60)
+                return result, time.perf_counter() - started
+
+            for ws in (1, 2):
+                assert run(ws)[0].outcome == "passed"
+            for n in range(1, reps + 1):
+                deadline = time.monotonic() + 180
+                while time.monotonic() < deadline:  # at rest: what would start has started
+                    status = client.status()
+                    pools = status["pools"]
+                    spares = {p["world_size"] for p in pools if p["spare"] and p["state"] == "idle"}
+                    if all(p["state"] == "idle" for p in pools) and (
+                        not memory or spares == {1, 2}
+                    ):
+                        break
+                    time.sleep(0.1)
+                else:
+                    raise TimeoutError("the pool did not come to rest")
+                held.append(status["broker"].get("spare_memory_used_mb", 0.0))
+                helper.write_text(f"def value():\n    return {n}\n")
+                saved = time.time_ns() - 1_000_000_000
+                os.utime(helper, ns=(saved, saved))
+                result, wall = run(2)
+                assert result.outcome == "passed" and result.value == n, result
+                waits.append(wall - _in_task(result))
+                spawn_waits.append(result.spawn_wait_s)
+    finally:
+        broker.stop()
+    return {"edit_wait_s": waits, "spawn_wait_s": spawn_waits, "spare_memory_used_mb": held}
+
+
 def suite(work: Path, spares: bool, env: dict[str, str]) -> dict[str, Any]:
     """The ``suite`` measurement: one cold pytest session on a fresh broker."""
     mode = "spares" if spares else "nospares"
@@ -202,6 +259,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--skip-suite", action="store_true")
     parser.add_argument(
+        "--full-box", action="store_true", help="only the full-box measurement (issue 20)"
+    )
+    parser.add_argument(
         "--json", type=Path, default=ROOT / "tools" / "results" / "bench_spares.json"
     )
     args = parser.parse_args()
@@ -213,6 +273,22 @@ def main() -> int:
         "load_average_at_start": os.getloadavg()[0],
         "command": f"python tools/bench_spares.py --reps {args.reps}",
     }
+    if args.full_box:
+        results["command"] += " --full-box"
+        for memory in (True, False):
+            box = full_box_waits(work, memory, args.reps, env)
+            results["box_memory" if memory else "box_cores"] = box
+            print(
+                f"  spares {'in memory' if memory else 'in cores only'}: ws=2 edit waits "
+                + ", ".join(f"{w:.2f}" for w in box["edit_wait_s"])
+                + " s; spawn waits "
+                + ", ".join(f"{w:.2f}" for w in box["spawn_wait_s"])
+                + f" s; spares held {max(box['spare_memory_used_mb']):.0f} MB"
+            )
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"written to {args.json}")
+        return 0
     for spares in (True, False):
         mode = "spares" if spares else "nospares"
         results[mode] = replace_waits(work, spares, args.reps, env)

@@ -81,6 +81,20 @@ MUTANTS = (
         "            if self.on_frame(self.dealer.recv()) or True:",
         ("tests/test_client_wire.py",),
     ),
+    Mutant(
+        "spares: a spare held in memory takes a task whatever the cores hold",
+        "cpq/broker/scheduler.py",
+        "        return self.cpu_ranks_used - stopping_ranks + spec.world_size <= self.max_ranks\n",
+        "        return True\n",
+        ("tests/unit/test_spares.py",),
+    ),
+    Mutant(
+        "spares: the memory budget of spares beyond --max-ranks is not checked",
+        "cpq/broker/scheduler.py",
+        "        if self.spare_memory_used_mb + need_mb > self.spare_memory_mb:\n",
+        "        if False:\n",
+        ("tests/unit/test_spares.py",),
+    ),
 )
 
 
