@@ -291,6 +291,7 @@ class Broker:
                         g.state == "starting" for g in self.pools.live(spec)
                     ):  # the idle groups served other sessions: a new one, not a wait
                         self.pools.start(spec, evict=True, queued=self._queued, own_session=own)
+                    self.pools.evict_for_memory_spare(spec, self._queued)
                     break
                 queues.pop(spec)
                 self.pools.assign(group, task)

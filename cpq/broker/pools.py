@@ -272,6 +272,14 @@ class Pools:
                     )
                 return
 
+    def evict_for_memory_spare(self, spec: PoolSpec, queued: Callable[[PoolSpec], bool]) -> None:
+        """A task of ``spec`` waits while its spec's only groups are spares held in memory
+        that find no free core: stop idle groups of other specs for it, as for a spec with
+        no group (else the spare would wait for good behind idle groups)."""
+        live = self.live(spec)
+        if live and all(g.memory_mb for g in live):
+            self.evict_for(spec, queued, used=True)
+
     def stop(
         self,
         group: Group,

@@ -410,3 +410,32 @@ def test_a_spare_held_in_memory_waits_for_cores_rather_than_oversubscribe_them()
     assert spares and all(sim.running(g) is None for g in spares)
     sim.finish_all("g2", first)
     assert sim.running("g2") == second
+
+
+def test_a_spec_left_with_only_a_spare_in_memory_gets_cores_from_idle_groups() -> None:
+    """A spec whose used group is gone keeps its spare in memory; when its next task finds
+    every core held by idle groups of other specs, those are stopped for it, as for a spec
+    with no group, and the spare takes the task (it does not wait for good)."""
+    sim = Sim(spares=1, max_ranks=4, spare_memory_mb=1000.0)
+    sim.client(features=FEATURES)
+    a, b, c = (spec(2, env=[(name, "1")]) for name in "ABC")
+    first = sim.submit(pool_spec=a)
+    sim.bring_up("g1")
+    sim.finish_all("g1", first)
+    sim.tick(0.05)
+    sim.bring_up("g2")  # A's spare, in memory
+    assert sim.broker.pools.groups["g2"].memory_mb == 200.0
+    sim.broker.pools.stop(sim.broker.pools.groups["g1"], "gone for the test", recycled=False)
+    sim.tick(0.05)
+    for other in (b, c):  # two idle used groups hold the four cores
+        task = sim.submit(pool_spec=other)
+        group_id = next(g.id for g in sim.broker.pools.groups.values() if g.state == "starting")
+        sim.bring_up(group_id)
+        sim.finish_all(group_id, task)
+    assert sim.broker.pools.resources.cpu_ranks_used == 4
+    waiting = sim.submit(pool_spec=a)
+    stopped = [g for g in sim.broker.pools.groups.values() if g.state == "stopping"]
+    assert len(stopped) == 1 and stopped[0].spec in (b, c) and not stopped[0].spare
+    sim.tick(0.05)  # reaped: the spare fits the cores now
+    assert sim.running("g2") == waiting
+    assert sim.broker.pools.resources.cpu_ranks_used == 4
