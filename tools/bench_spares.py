@@ -89,6 +89,13 @@ def _in_task(result: Any) -> float:
     return max((r.duration_s for r in result.ranks), default=0.0)
 
 
+def timed_submit(client: Client, function: str, ws: int, project: Path) -> tuple[Any, float]:
+    """A task of ``bench_targets`` and its round trip as the client sees it."""
+    started = time.perf_counter()
+    result = client.submit(f"bench_targets:{function}", ws, roots=[str(project)], timeout=60)
+    return result, time.perf_counter() - started
+
+
 def _wait_for_spare(client: Client, spares: bool, within: float = 180.0) -> None:
     """Until the pool is at rest: an idle spare (with spares), else every group idle."""
     deadline = time.monotonic() + within
@@ -123,11 +130,7 @@ def replace_waits(work: Path, spares: bool, reps: int, env: dict[str, str]) -> d
         with Client(broker.endpoint, name="bench_spares") as client:
 
             def run(function: str) -> tuple[Any, float]:
-                started = time.perf_counter()
-                result = client.submit(
-                    f"bench_targets:{function}", 2, roots=[str(project)], timeout=60
-                )
-                return result, time.perf_counter() - started
+                return timed_submit(client, function, 2, project)
 
             assert run("read")[0].outcome == "passed"
             for n in range(1, reps + 1):
@@ -177,9 +180,7 @@ def full_box_waits(work: Path, memory: bool, reps: int, env: dict[str, str]) -> 
         with Client(broker.endpoint, name="bench_spares") as client:
 
             def run(ws: int) -> tuple[Any, float]:
-                started = time.perf_counter()
-                result = client.submit("bench_targets:read", ws, roots=[str(project)], timeout=60)
-                return result, time.perf_counter() - started
+                return timed_submit(client, "read", ws, project)
 
             for ws in (1, 2):
                 assert run(ws)[0].outcome == "passed"

@@ -131,14 +131,11 @@ class Pools:
         other used groups loaded the same code). ``own_session``: only a group that served
         no other session (``Submit.own_groups``).
         """
-        stopping = self._stopping_cpu_ranks()
-        idle = [
-            g
-            for g in self.groups.values()
-            if g.spec == spec
-            and g.state == "idle"
-            and (not g.memory_mb or self.resources.can_promote(spec, stopping))
-        ]
+        idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
+        if any(g.memory_mb for g in idle) and not self.resources.can_promote(
+            spec, self._stopping_cpu_ranks()
+        ):  # a spare held in memory takes a task only when its ranks find cores
+            idle = [g for g in idle if not g.memory_mb]
         preferred = self.affinity.group_for(spec, affinity)
         return spares.pick_idle(idle, preferred, fresh, own_session)
 
