@@ -484,6 +484,10 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "session-groups": {"submit": ("session", "own_groups")},
     "task-rng": {"submit": ("rng",), "run": ("rng",)},
     "rank-report": {"rank_done": ("result.report",), "done": ("result.ranks.report",)},
+    "rank-pytest": {
+        "rank_done": ("result.reports", "result.warnings"),
+        "done": ("result.ranks.reports", "result.ranks.warnings"),
+    },
     "task-coverage": {
         "submit": ("coverage",),
         "run": ("coverage",),

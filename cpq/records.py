@@ -103,6 +103,11 @@ class RankResult:
     #: A failure as pytest prints it (its ``>`` and ``E`` lines), rendered in the rank where
     #: the frames are; "" where the rank runs no pytest (``error.traceback`` then).
     report: str = ""
+    #: A test run through pytest in the rank (``cpq.rank.items``): pytest's own serialised
+    #: reports of its phases, as pytest-xdist's workers send them (feature ``rank-pytest``).
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    #: The warnings that test raised in this rank (message, category, filename, lineno).
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

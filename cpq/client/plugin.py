@@ -26,12 +26,12 @@ import pytest
 
 from cpq import paths, protocol
 from cpq.client import pdb_relay, reruns, timeouts
+from cpq.client import items
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,
     ranks_repr,
     report_result,
-    travelling_args,
 )
 from cpq.client.session import CpqSession
 from cpq.fanout import plugin as fanout
@@ -65,6 +65,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cpq_timeout", "default per-test deadline in seconds", default="")
     parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
     reruns.add_options(parser, group)
+    items.add_options(parser, group)
     pdb_relay.add_options(group)
     parser.addini(
         "cpq_own_groups", "only groups that served no other session", type="bool", default=False
@@ -157,6 +158,18 @@ def _marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] |
     return world_size, kwargs.get("timeout"), kwargs.get("env")
 
 
+def _pool_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] | None] | None:
+    """The pool a test needs, for warming: its marker's (the fixture style's too), else the
+    session's ``--cpq-world-size`` for a test that runs on the ranks; None: none."""
+    session = item.config.stash[SESSION_KEY]
+    if session.under_launcher:
+        return None
+    marker = _marker_args(item)
+    if marker is not None or session.world_size is None:
+        return marker
+    return None if "cpq" in getattr(item, "fixturenames", ()) else (session.world_size, None, None)
+
+
 def _own_groups(item: pytest.Item) -> bool:
     marker = item.get_closest_marker("cpq")
     return bool(marker is not None and marker.kwargs.get("own_groups"))
@@ -185,7 +198,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         return  # the warm-up after collection knows what was selected
     cpq_session = item.config.stash.get(SESSION_KEY, None)
     try:
-        args = _marker_args(item)
+        args = _pool_args(item)
     except pytest.UsageError:
         return  # reported, with the test's name, when the test runs
     if cpq_session is None or args is None:
@@ -233,7 +246,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     cpq_session.rng_at_start.observe()  # numpy, imported by the test modules (cpq.rng)
     needed: Counter[PoolSpec] = Counter()
     for item in session.items:
-        args = _marker_args(item)
+        args = _pool_args(item)
         if args is not None:
             needed[cpq_session.spec(args[0], args[2])] += 1
     if not needed:
@@ -254,6 +267,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     from cpq.client.autostart import broker_alive, code_difference, code_fingerprint
 
     session = config.stash[SESSION_KEY]
+    if session.under_launcher:
+        return [
+            f"cpq: pytest runs under a launcher (RANK={os.environ.get('RANK')}): cpq steps "
+            "aside, every test runs in this process"
+        ]
     try:
         endpoint = session.resolved_endpoint()
     except paths.UnsafeStateDir as exc:
@@ -285,42 +303,57 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 # --------------------------------------------------------------------------- running
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    marker = _marker_args(pyfuncitem)
-    if marker is None or "cpq" in pyfuncitem.fixturenames:
-        return None  # unmarked, or the fixture style: the body runs here and calls cpq.run
-    world_size, timeout, env = marker
-    session = pyfuncitem.config.stash[SESSION_KEY]
-    args = travelling_args(pyfuncitem)
-    function = pyfuncitem.function
-    path = os.path.abspath(function.__code__.co_filename)
-    kwargs = {
-        "path": path,
-        "module": function.__module__,
-        "name": function.__qualname__,
-        "args": args,
-        "import_paths": session.import_paths(),
-    }
-    target = "cpq.rank.pytest_task:run_test"
-    left = timeouts.remaining(pyfuncitem)  # under pytest-timeout: what is left of it
-    result = session.submit(
-        target,
-        world_size,
-        kwargs,
-        left if left is not None else timeout,
-        env,
-        pyfuncitem.nodeid,
-        _affinity(pyfuncitem),
-        retries=reruns.retries_for(pyfuncitem, session.retries, timed=left is not None),
-        debug=True,
-        own_groups=_own_groups(pyfuncitem),
-    )
-    timeouts.fail_if_timed_out(pyfuncitem, result)
-    if result.debug_rank >= 0:  # a rank waits for pytest's --pdb (cpq.client.pdb_relay)
-        pdb_relay.remember(pyfuncitem, session.client, result.task_id)
-    report_result(pyfuncitem, result, pyfuncitem.nodeid)
-    return True
+def placement(item: pytest.Item) -> items.Placement | None:
+    """Where ``item`` runs: on the ranks (its marker's world size, else ``--cpq-world-size``'s),
+    or here (None): a test that uses the ``cpq`` fixture calls ``cpq.run`` itself, and under a
+    launcher (pytest started by torchrun) every test runs in this process."""
+    session = item.config.stash[SESSION_KEY]
+    if session.under_launcher or "cpq" in getattr(item, "fixturenames", ()):
+        return None
+    marker = _marker_args(item)
+    if marker is not None:
+        return items.Placement(*marker)
+    if session.world_size is not None:
+        return items.Placement(session.world_size)
+    return None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, Any, Any]:
+    """A test that runs on the ranks walks pytest's protocol here with hollow phases
+    (:mod:`cpq.client.items`): every plugin of this process sees it as a local test."""
+    where = placement(item)
+    if where is None:
+        return (yield)
+    session = item.config.stash[SESSION_KEY]
+    key, setup = items.rank_setup(item.config, session.session_id)
+
+    def submit(kwargs: dict[str, Any]) -> TaskResult:
+        left = timeouts.remaining(item)  # under pytest-timeout: what is left of it
+        return session.submit(
+            items.TARGET,
+            where.world_size,
+            kwargs,
+            left if left is not None else where.timeout,
+            where.env,
+            item.nodeid,
+            _affinity(item),
+            retries=reruns.retries_for(item, session.retries, timed=left is not None),
+            debug=True,
+            own_groups=_own_groups(item),
+            send_rng=False,  # the ranks' own plugins and fixtures seed them
+        )
+
+    def debugger(result: TaskResult) -> None:
+        pdb_relay.remember(item, session.client, result.task_id)
+
+    items.prepare(item, where, nextitem, key, setup, submit, debugger)
+    try:
+        return (yield)
+    finally:
+        items.restore(item)
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
@@ -332,7 +365,9 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, Any]:
     report = yield
-    waited = item.config.stash[SESSION_KEY].spawn_waits.pop(item.nodeid, None)
+    report = items.phase_report(item, call.when) or report  # the ranks' own, when they ran it
+    waits = item.config.stash[SESSION_KEY].spawn_waits
+    waited = waits.pop(item.nodeid, None) if call.when == "teardown" else None
     if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
     if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):

@@ -124,6 +124,15 @@ class CpqSession:
         self.broker_gone: str = ""
         #: Per test id, the spawn waits its tasks' verdicts carried (reported with the test).
         self.spawn_waits: dict[str, float] = {}
+        from cpq.client.items import default_world_size
+
+        #: ``--cpq-world-size``: every test runs on this many ranks (None: marker tests only).
+        self.world_size = default_world_size(config)
+        #: pytest itself runs under a launcher (torchrun set RANK): cpq steps aside and every
+        #: test runs in this process, as asked.
+        self.under_launcher = "RANK" in os.environ and (
+            "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+        )
 
     def status_if_connected(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The broker's status for reports, without starting (or waiting long for) a broker.
@@ -223,6 +232,7 @@ class CpqSession:
         retries: int | None = None,
         debug: bool = False,
         own_groups: bool = False,
+        send_rng: bool = True,
     ) -> TaskResult:
         from cpq.client.api import BrokerUnavailable
 
@@ -242,7 +252,7 @@ class CpqSession:
                     affinity=affinity,
                     retries=self.retries if retries is None else retries,
                     debug_rank=self.debug_rank if debug else None,
-                    rng=rng.capture() if self.rng_at_start.changed() else None,
+                    rng=rng.capture() if send_rng and self.rng_at_start.changed() else None,
                     coverage=None if cov is None else coverage_relay.session_config(cov, context),
                     session=self.session_id,
                     # Measured: only groups whose imports this session measured (a module

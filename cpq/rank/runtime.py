@@ -28,7 +28,7 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel, failure_report, importenv, leases, pdb_relay
+from cpq.rank import cancel, failure_report, importenv, items, leases, pdb_relay, pgroups
 from cpq.rank.capture import FdCapture
 from cpq.rank.coverage_task import measured
 from cpq.rank.freshness import CodeWatch
@@ -51,6 +51,19 @@ def redirect_output_to_log(config: RankConfig) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+
+
+def _log_to_stderr(rank: int) -> None:
+    """cpq's own records go to the rank's log (its stderr); the root logger stays as a fresh
+    process has it (WARNING, no handler), so a test's logging behaves as in a fresh run."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    )
+    own = logging.getLogger("cpq")
+    own.addHandler(handler)
+    own.setLevel(logging.INFO)
+    own.propagate = False
 
 
 def init_process_group(config: RankConfig) -> None:
@@ -189,6 +202,8 @@ def run_task(
     ran = Ran()
     outcome: protocol.Outcome = "passed"
     error, value, report = None, None, ""
+    reports: list[dict[str, Any]] = []
+    warnings: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
         reset_state(baseline, task.seed, task.env, task.rng)
@@ -201,7 +216,14 @@ def run_task(
                 function = resolve_target(task.target)
                 with cancel.window(task.task_id), measured(task.coverage, ran.coverage):
                     value = function(**task.kwargs)
-                _check_return_value(task.target, value)
+                if isinstance(value, items.ItemRun):  # a test run by pytest in this rank
+                    outcome, error = _item_outcome(value)
+                    reports, warnings = value.reports, value.warnings
+                    if task.debug and outcome == "failed" and value.failure is not None:
+                        pdb_relay.keep(value.failure)  # its frames, for pytest --pdb
+                    value = None
+                else:
+                    _check_return_value(task.target, value)
             except BaseException as exc:  # the task's failure is data, not our crash
                 outcome = "skipped" if _is_skip(exc) else "failed"
                 error = _describe(exc)
@@ -223,8 +245,20 @@ def run_task(
         peak_cuda_mb=_peak_cuda_mb(),
         value=value,
         report=report,
+        reports=reports,
+        warnings=warnings,
     )
     return result, ran
+
+
+def _item_outcome(run: items.ItemRun) -> tuple[protocol.Outcome, protocol.RankError | None]:
+    """What the broker's outcome table reads of a test pytest ran here (its setup or
+    teardown error is a failure: the broker's ``error`` means infra and is retried)."""
+    outcome: protocol.Outcome = "failed"
+    if run.outcome in ("passed", "skipped"):
+        outcome = "passed" if run.outcome == "passed" else "skipped"
+    error = None if run.error is None else protocol.RankError(*run.error)
+    return outcome, error
 
 
 def _check_return_value(target: str, value: Any) -> None:
@@ -281,10 +315,7 @@ def main() -> None:
     die_with_parent()
     leases.check_held()  # before any GPU is touched
     redirect_output_to_log(config)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
-    )
+    _log_to_stderr(config.rank)
     started = time.monotonic()
     # Import torch before the watchdog says hello: loading its shared libraries holds the
     # GIL for seconds on a busy node, which would silence the heartbeats of a rank the
@@ -298,6 +329,7 @@ def main() -> None:
         if root not in sys.path:
             sys.path.insert(0, root)
     init_process_group(config)
+    pgroups.install()  # the code's own init/destroy of the default group meet the warm one
     preload_modules()
     load_hooks_from_env()
     cancel.install()

@@ -1,0 +1,155 @@
+"""The ranks' reports of one test, combined into the test's report per phase.
+
+``torchrun --nproc-per-node N -m pytest`` gives N reports of every test, one per rank; the
+run fails when any rank fails. cpq gives pytest one report per phase, made from the ranks':
+
+* **failed** when any rank failed that phase: the first failing rank's report (pytest's own
+  long report, with its ``>`` and ``E`` lines), each other failing rank's report as a section
+  unless it is the same text (then the ranks are named once), and a last ``cpq`` section
+  saying which ranks failed in which group;
+* **skipped** when every rank skipped (xfail included: a test every rank xfailed is xfailed);
+* a skip taken on some ranks while others ran is a **failure**: in a fresh run the ranks that
+  ran would wait in their first collective for the ones that left;
+* **passed** otherwise.
+
+Captured sections keep pytest's titles; with more than one rank every line says its rank
+(JUnit's ``<system-out>`` joins sections without their titles). A phase's duration is the
+slowest rank's (the test's own time in the ranks, never the wait for a group).
+
+Fail closed: a verdict whose reports do not cover every rank exactly once, or do not decode
+as pytest's test reports, gives ``None`` (the caller reports cpq's error); a verdict the
+broker failed whose reports show no failure fails the test all the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cpq.protocol import TaskResult
+
+PHASES = ("setup", "call", "teardown")
+
+
+def phases(
+    result: TaskResult, world_size: int, config: pytest.Config
+) -> dict[str, pytest.TestReport] | None:
+    """Each phase's combined report; None when the verdict has no complete set of reports."""
+    if result.outcome == "error" or sorted(r.rank for r in result.ranks) != list(range(world_size)):
+        return None
+    by_rank: dict[int, dict[str, pytest.TestReport]] = {}
+    for rank in sorted(result.ranks, key=lambda r: r.rank):
+        decoded = [_decode(config, data) for data in rank.reports]
+        if not decoded or any(report is None for report in decoded):
+            return None
+        reports = {report.when: report for report in decoded if report is not None}
+        if "setup" not in reports or len(reports) != len(decoded):
+            return None
+        by_rank[rank.rank] = reports
+    combined: dict[str, pytest.TestReport] = {}
+    for when in PHASES:
+        present = [(rank, reports[when]) for rank, reports in by_rank.items() if when in reports]
+        if present:
+            combined[when] = combine_phase(present, world_size, result.group_id)
+    if result.outcome == "failed" and not any(r.failed for r in combined.values()):
+        xfailed = all(hasattr(r, "wasxfail") for rs in by_rank.values() for r in rs.values()
+                      if r.when == "call")
+        if not xfailed:
+            last = combined["call" if "call" in combined else "setup"]
+            last.outcome = "failed"
+            last.longrepr = f"cpq: the ranks' verdict is failed ({result.message}), no report says why"
+    return combined
+
+
+def combine_phase(
+    present: list[tuple[int, pytest.TestReport]], world_size: int, group: str
+) -> pytest.TestReport:
+    """One phase's report from the ranks that reached it (pure; see the module docstring)."""
+    failed = [(rank, report) for rank, report in present if report.failed]
+    skipped = [(rank, report) for rank, report in present if report.skipped]
+    every_xfail = all(hasattr(report, "wasxfail") for _, report in present)
+    if failed:
+        first, base = failed[0]
+        same = [rank for rank, report in failed if report.longreprtext == base.longreprtext]
+        for rank, report in failed:
+            if rank not in same:
+                add_section(base, f"rank {rank}", report.longreprtext)
+        whose = f"the report above is rank {first}'s"
+        if len(same) > 1:
+            whose += f", the same on rank(s) {same[1:]}"
+        failing = [rank for rank, _ in failed]
+        add_section(
+            base, "cpq", f"failed on rank(s) {failing} of {world_size} (group {group}); {whose}"
+        )
+    elif skipped and len(skipped) < len(present) and not every_xfail:
+        base = present[0][1]
+        ran = [rank for rank, report in present if not report.skipped]
+        reason = _reason(skipped[0][1])
+        base.outcome = "failed"
+        base.longrepr = (
+            f"skipped on rank(s) {[rank for rank, _ in skipped]} ({reason}) but ran on rank(s) "
+            f"{ran}: a skip must be taken on every rank (in a fresh run the ranks that ran "
+            "would wait for the others in their first collective)"
+        )
+    elif skipped:
+        base = skipped[0][1]
+    else:
+        base = present[0][1]
+    base.sections = _sections(present, world_size)
+    base.duration = max(report.duration for _, report in present)
+    starts = [getattr(report, "start", 0.0) for _, report in present]
+    stops = [getattr(report, "stop", 0.0) for _, report in present]
+    base.start, base.stop = min(starts), max(stops)
+    properties: list[tuple[str, object]] = []
+    for _, report in present:
+        for pair in report.user_properties:
+            if tuple(pair) not in properties:
+                properties.append(tuple(pair))  # type: ignore[arg-type]
+    base.user_properties = properties
+    return base
+
+
+def add_section(report: pytest.TestReport, name: str, text: str) -> None:
+    """A titled section after a failure's report (pytest's own, where it has sections)."""
+    longrepr: Any = report.longrepr
+    if hasattr(longrepr, "addsection"):
+        longrepr.addsection(name, text)
+    else:
+        report.longrepr = f"{longrepr}\n{'-' * 20} {name} {'-' * 20}\n{text}"
+
+
+def _reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else "skipped"
+
+
+def _sections(present: list[tuple[int, pytest.TestReport]], world_size: int) -> list[Any]:
+    if world_size == 1:
+        return list(present[0][1].sections)
+    out = []
+    for rank, report in present:
+        for title, text in report.sections:
+            labelled = "".join(f"[rank {rank}] {line}" for line in text.splitlines(True))
+            out.append((title, labelled))
+    return out
+
+
+def _decode(config: pytest.Config, data: Any) -> pytest.TestReport | None:
+    """A rank's serialised report as pytest's (msgpack made its tuples lists)."""
+    if not isinstance(data, dict) or data.get("$report_type") != "TestReport":
+        return None
+    data = dict(data)
+    if isinstance(data.get("location"), list):
+        data["location"] = tuple(data["location"])
+    if isinstance(data.get("longrepr"), list):
+        data["longrepr"] = tuple(data["longrepr"])
+    data["user_properties"] = [tuple(p) for p in data.get("user_properties") or []]
+    data["sections"] = [tuple(s) for s in data.get("sections") or []]
+    try:
+        report = config.hook.pytest_report_from_serializable(config=config, data=data)
+    except Exception:
+        return None
+    if not isinstance(report, pytest.TestReport) or report.when not in PHASES:
+        return None
+    return report

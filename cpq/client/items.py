@@ -1,0 +1,264 @@
+"""The pytest process's half of "the ranks run pytest" (docs/design.md).
+
+A test that runs on the ranks (a ``cpq`` marker, or every test under ``--cpq-world-size N``)
+is not set up here at all: its fixtures, class setup, warning filters and capture run in
+every rank's own pytest session (:mod:`cpq.rank.items`). This process still walks pytest's
+protocol for the item — setup, call, teardown — so every plugin here (rerun plugins,
+pytest-timeout, ``--pdb``, JUnit, xdist, ``-x``) sees a test as it always does, but each phase
+is hollow: *setup* sends the test to the ranks and waits for their reports, *call* and
+*teardown* replay them. Each phase's report is the ranks' reports combined
+(:mod:`cpq.client.combine`), handed to pytest in place of the hollow one; the warnings the
+ranks raised go to this session's warnings summary, once each.
+
+A phase raises here what the ranks' phase ended in (a failure, a skip), so pytest's flow
+(no call after a failed setup) and ``--pdb`` (a failed phase opens the post-mortem, relayed to
+the failing rank) behave as they do for a local test. A verdict without reports (a deadline,
+a dead rank, the broker gone) fails the call phase as cpq's infra error, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cpq import protocol
+from cpq.client import combine
+from cpq.client.report import CpqTaskFailed, report_result
+from cpq.protocol import TaskResult
+
+#: What the ranks run (``cpq.rank.items.run_item``).
+TARGET = "cpq.rank.items:run_item"
+WORLD_SIZE_VAR = "CPQ_WORLD_SIZE"
+
+
+class RanksFailed(CpqTaskFailed):
+    """A phase failed on the ranks; its report is the ranks' combined report."""
+
+
+@dataclass
+class Placement:
+    """Where a test runs: on ``world_size`` ranks, with the marker's deadline and variables."""
+
+    world_size: int
+    timeout: float | None = None
+    env: dict[str, str] | None = None
+
+
+@dataclass
+class _Run:
+    """One protocol run of an item on the ranks (a rerun plugin makes several)."""
+
+    submit: Callable[[dict[str, Any]], TaskResult]
+    #: Called with a failed verdict whose rank waits for a post-mortem (``--pdb``).
+    debugger: Callable[[TaskResult], None]
+    kwargs: dict[str, Any]
+    world_size: int
+    result: TaskResult | None = None
+    phases: dict[str, pytest.TestReport] = field(default_factory=dict)
+
+
+RUN_KEY = pytest.StashKey[_Run]()
+SETUP_KEY = pytest.StashKey[tuple[str, dict[str, Any]]]()
+
+
+def add_options(parser: pytest.Parser, group: Any) -> None:
+    group.addoption(
+        "--cpq-world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run every test on N ranks, as torchrun --nproc-per-node N -m pytest would "
+        "(CPQ_WORLD_SIZE; a marker still sets one test's)",
+    )
+    parser.addini("cpq_world_size", "run every test on this many ranks", default="")
+
+
+def default_world_size(config: pytest.Config) -> int | None:
+    """``--cpq-world-size``, else ``CPQ_WORLD_SIZE``, else the ini's (None: marker tests only)."""
+    value: Any = config.getoption("cpq_world_size", None)
+    if value is None:
+        value = os.environ.get(WORLD_SIZE_VAR) or config.getini("cpq_world_size") or None
+    if value is None:
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        raise pytest.UsageError(f"cpq world size must be a whole number, got {value!r}") from None
+    if size < 1:
+        raise pytest.UsageError(f"cpq world size must be at least 1, got {size}")
+    return size
+
+
+def rank_setup(config: pytest.Config, session_id: str) -> tuple[str, dict[str, Any]]:
+    """The calling session's configuration as the ranks rebuild it, and the key that names
+    this pytest process's session in every rank (computed once)."""
+    known = config.stash.get(SETUP_KEY, None)
+    if known is not None:
+        return known
+    options: dict[str, Any] = {}
+    for name, value in vars(config.option).items():
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        elif isinstance(value, list | tuple):
+            value = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
+        if not protocol.travel_problem(value):
+            options[name] = value
+    setup = {
+        "dir": str(config.invocation_params.dir),
+        "rootdir": str(config.rootpath),
+        "inifile": str(config.inipath) if config.inipath else "",
+        "options": options,
+    }
+    digest = hashlib.sha256(repr(sorted(setup.items())).encode()).hexdigest()[:12]
+    known = (f"{session_id}:{os.getpid()}:{digest}", setup)
+    config.stash[SETUP_KEY] = known
+    return known
+
+
+def prepare(
+    item: pytest.Item,
+    placement: Placement,
+    nextitem: pytest.Item | None,
+    session_key: str,
+    setup: dict[str, Any],
+    submit: Callable[[dict[str, Any]], TaskResult],
+    debugger: Callable[[TaskResult], None],
+) -> None:
+    """Make ``item``'s phases hollow for this protocol run (undone by :func:`restore`)."""
+    kwargs = {
+        "session": session_key,
+        "setup": setup,
+        "nodeid": item.nodeid,
+        "path": str(item.path),
+        "next": nextitem.nodeid if nextitem is not None else None,
+    }
+    item.stash[RUN_KEY] = _Run(submit, debugger, kwargs, placement.world_size)
+    item.setup = functools.partial(_setup, item)  # type: ignore[method-assign]
+    item.runtest = functools.partial(_call, item)  # type: ignore[method-assign]
+
+
+def restore(item: pytest.Item) -> None:
+    for name in ("setup", "runtest"):
+        item.__dict__.pop(name, None)
+    if RUN_KEY in item.stash:
+        del item.stash[RUN_KEY]
+
+
+def _setup(item: pytest.Item) -> None:
+    """The setup phase: the whole test runs on the ranks; raise what their setup ended in."""
+    run = item.stash[RUN_KEY]
+    run.phases = {}
+    run.result = result = run.submit(run.kwargs)
+    if item.config.getoption("capture", "fd") == "no":
+        _stream_output(result)
+    phases = combine.phases(result, run.world_size, item.config)
+    if phases is None:
+        return  # no reports: the call phase says what happened (cpq's infra error)
+    run.phases = phases
+    _record_warnings(item, result)
+    _raise_for(item, result, phases.get("setup"))
+
+
+def _call(item: pytest.Item) -> None:
+    run = item.stash[RUN_KEY]
+    result = run.result
+    assert result is not None
+    if not run.phases:
+        from cpq.client import timeouts
+
+        timeouts.fail_if_timed_out(item, result)
+        _offer_debugger(item, result)
+        report_result(item, result, item.nodeid)
+        raise CpqTaskFailed(result, item.nodeid)  # passed without reports: fail closed
+    _raise_for(item, result, run.phases.get("call"))
+
+
+def _raise_for(item: pytest.Item, result: TaskResult, report: pytest.TestReport | None) -> None:
+    if report is None or report.passed or hasattr(report, "wasxfail"):
+        return
+    if report.failed:
+        _offer_debugger(item, result)
+        raise RanksFailed(result, item.nodeid)
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else "skipped"
+    raise pytest.skip.Exception(str(reason), _use_item_location=True)
+
+
+def _offer_debugger(item: pytest.Item, result: TaskResult) -> None:
+    if result.debug_rank >= 0:  # a rank waits for pytest's --pdb (cpq.client.pdb_relay)
+        item.stash[RUN_KEY].debugger(result)
+
+
+def phase_report(item: pytest.Item, when: str) -> pytest.TestReport | None:
+    """The ranks' combined report of this phase, to stand for the hollow local one."""
+    run = item.stash.get(RUN_KEY, None)
+    if run is None or not run.phases:
+        return None
+    report = run.phases.get(when)
+    if report is None:
+        return None
+    report.location = item.location
+    notes = run.result.notes if run.result is not None else []
+    first = "call" if "call" in run.phases else "setup"
+    if notes and when in (first, "teardown"):
+        # In the captured stderr of this phase and the last (whose sections are all of the
+        # test's, as pytest's are), so JUnit's <system-err> has them.
+        report.sections.append((f"Captured stderr {first}", "\n".join(notes) + "\n"))
+    return report
+
+
+def _stream_output(result: TaskResult) -> None:
+    """Under ``-s`` the ranks' pytest captures nothing: what each rank printed reaches this
+    terminal after the test, every line labelled with its rank."""
+    for rank in result.ranks:
+        for out, text in ((sys.stdout, rank.stdout), (sys.stderr, rank.stderr)):
+            if text:
+                out.write("".join(f"[rank {rank.rank}] {line}" for line in text.splitlines(True)))
+                out.flush()
+
+
+def _record_warnings(item: pytest.Item, result: TaskResult) -> None:
+    """The ranks' warnings into this session's summary, each once however many ranks saw it."""
+    seen: set[tuple[Any, ...]] = set()
+    for rank in result.ranks:
+        for data in rank.warnings:
+            key = tuple(data.get(k) for k in ("category", "message", "filename", "lineno"))
+            if key in seen:
+                continue
+            seen.add(key)
+            category = _category(str(data.get("category", "")))
+            try:
+                message: Warning = category(str(data.get("message", "")))
+            except Exception:
+                category, message = UserWarning, UserWarning(str(data.get("message", "")))
+            warning = warnings.WarningMessage(
+                message, category, str(data.get("filename", "")), int(data.get("lineno", 0))
+            )
+            item.ihook.pytest_warning_recorded.call_historic(
+                kwargs={
+                    "warning_message": warning,
+                    "when": str(data.get("when", "runtest")),
+                    "nodeid": str(data.get("nodeid", item.nodeid)),
+                    "location": None,
+                }
+            )
+
+
+def _category(name: str) -> type[Warning]:
+    module, _, qualname = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except Exception:
+        return UserWarning
+    return found if isinstance(found, type) and issubclass(found, Warning) else UserWarning

@@ -1,0 +1,399 @@
+"""The ranks run pytest: a test's whole protocol, in every rank, as ``torchrun -m pytest``.
+
+The reference for a distributed test is ``torchrun --nproc-per-node N -m pytest``: every rank
+is a pytest process that collects the test's module, runs conftest files and fixtures of every
+scope, applies warning filters, captures output and reports. So the plugin sends no function
+here but a test id (``TARGET``); this module keeps, per calling pytest session, a pytest
+session of its own in this rank, made from the caller's configuration
+(``cpq.client.items.rank_setup``: invocation directory, rootdir, ini file, option values), and
+runs the item's protocol there — setup, call, teardown — with pytest's own runner. The
+reports go back serialised as pytest-xdist's workers send theirs
+(``pytest_report_to_serializable``), with the warnings the item raised; the pytest process
+combines the ranks' reports into the test's (``cpq.client.items``). See docs/design.md, "The
+ranks run pytest".
+
+* **Scopes.** Module, class, package and session fixtures live in this rank's session while
+  its tests come; each item is torn down towards the caller's *next* test (``next``), as
+  pytest tears down towards ``nextitem``: a module's fixtures end with the caller's last test
+  of that module, session fixtures with its last test. A group that moves on to another
+  calling session first finishes the previous one (its errors go to the group's log).
+* **Collection** is per module per calling session, never per test (a module's items are
+  kept by node id). An edited module or conftest never reaches a cached collection: the code
+  check before every task sends the task to a fresh group (:mod:`cpq.rank.freshness`).
+* **Plugins.** The caller's, except those whose work is the calling process's: terminal
+  reporting, cpq itself, coverage (cpq measures the ranks itself), rerun and timeout plugins
+  (the caller reruns and times the test), xdist's distribution; ``--pdb``, ``-x``, ``--lf``,
+  JUnit and the like are off here (the caller does them from the combined reports).
+* **Random generators** start each test as a fresh process's do: ``random``, numpy and torch
+  drawn from fresh entropy, different per rank, unless a fixture or a plugin (pytest-randomly,
+  with the caller's seed) seeds them.
+
+Nothing here imports pytest until a test runs: a rank that never runs one pays nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+TARGET = "cpq.rank.items:run_item"
+
+#: Plugins that do the calling process's work (see the module docstring).
+BLOCKED_PLUGINS = ("cpq", "pytest_cov", "timeout", "rerunfailures", "flaky")
+#: Options whose effect belongs to the calling process, and what they are in a rank.
+RANK_OPTIONS: dict[str, Any] = {
+    "usepdb": False,
+    "trace": False,
+    "numprocesses": None,
+    "maxprocesses": None,
+    "dist": "no",
+    "tx": [],
+    "looponfail": False,
+    "lf": False,
+    "last_failed_no_failures": "all",
+    "failedfirst": False,
+    "newfirst": False,
+    "stepwise": False,
+    "stepwise_skip": False,
+    "stepwise_reset": False,
+    "cacheshow": False,
+    "cacheclear": False,
+    "xmlpath": None,
+    "maxfail": 0,
+    "keyword": "",
+    "markexpr": "",
+    "deselect": [],
+    "collectonly": False,
+    "strict_markers": False,  # the caller checked its markers at collection
+    "setupshow": False,
+    "setuponly": False,
+    "setupplan": False,
+    "showfixtures": False,
+    "show_fixtures_per_test": False,
+    "markers": False,
+    "help": False,
+    "version": 0,
+    "pastebin": None,
+    "durations": None,
+    "verbose": 0,
+}
+#: Bound on each captured section a rank sends back (characters).
+MAX_SECTION_CHARS = 256 * 1024
+#: Plugin-made report attributes that cannot travel are dropped, these always stay.
+_REPORT_KEYS = ("nodeid", "location", "keywords", "outcome", "longrepr", "when", "sections")
+
+
+@dataclass
+class ItemRun:
+    """One test's protocol in this rank, for :func:`cpq.rank.runtime.run_task`."""
+
+    outcome: str  # passed | failed | skipped, for the broker's table
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    #: (type, first line, text) of the first failure, for the broker's verdict message.
+    error: tuple[str, str, str] | None = None
+    #: The failing exception (its frames), for a post-mortem (``pytest --pdb``).
+    failure: BaseException | None = None
+
+
+class _Recorder:
+    """A plugin in the rank's session: what the item's protocol reported."""
+
+    def __init__(self) -> None:
+        self.reports: list[Any] = []
+        self.warnings: list[dict[str, Any]] = []
+        self.failure: BaseException | None = None
+        self.collect_failures: list[Any] = []
+
+    def clear(self) -> None:
+        self.reports, self.warnings, self.failure = [], [], None
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self.reports.append(report)
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self.collect_failures.append(report)
+
+    def pytest_exception_interact(self, node: Any, call: Any, report: Any) -> None:
+        if self.failure is None and call.excinfo is not None and report.failed:
+            self.failure = call.excinfo.value
+
+    def pytest_warning_recorded(
+        self, warning_message: Any, when: str, nodeid: str, location: Any
+    ) -> None:
+        category = warning_message.category
+        self.warnings.append(
+            {
+                "message": str(warning_message.message),
+                "category": f"{category.__module__}:{category.__qualname__}",
+                "filename": str(warning_message.filename),
+                "lineno": int(warning_message.lineno or 0),
+                "when": when,
+                "nodeid": nodeid,
+            }
+        )
+
+
+class _Next:
+    """Stands for the caller's next test in ``teardown_exact``: the chain of this item's
+    nodes that are also the next test's, so pytest tears down exactly what it would."""
+
+    def __init__(self, chain: list[Any]) -> None:
+        self._chain = chain
+
+    def listchain(self) -> list[Any]:
+        return self._chain
+
+
+def _shared_chain(item: Any, next_nodeid: str | None) -> list[Any] | None:
+    """``item``'s nodes that the test ``next_nodeid`` also descends from (None: no next)."""
+    if next_nodeid is None:
+        return None
+    return [
+        node
+        for node in item.listchain()
+        if not node.nodeid
+        or next_nodeid.startswith(node.nodeid + "::")
+        or next_nodeid.startswith(node.nodeid + "/")
+    ]
+
+
+class RankSession:
+    """One calling session's pytest session in this rank."""
+
+    def __init__(self, key: str, setup: dict[str, Any], rank: int) -> None:
+        from _pytest.config import Config
+        from _pytest.main import Session
+
+        self.key = key
+        self.dir = str(setup["dir"])
+        os.chdir(self.dir)  # the invocation directory: conftest and relative paths
+        options = dict(setup.get("options") or {})
+        options.update(RANK_OPTIONS)
+        if options.get("basetemp"):  # each rank its own, as each fresh process has
+            base = str(options["basetemp"])
+            options["basetemp"] = os.path.join(base, f"rank{rank}-{os.getpid()}")
+        args: list[str] = []
+        for name in BLOCKED_PLUGINS:
+            args += ["-p", f"no:{name}"]
+        if setup.get("rootdir"):
+            args += ["--rootdir", str(setup["rootdir"])]
+        if setup.get("inifile"):
+            args += ["-c", str(setup["inifile"])]
+        self.config = Config.fromdictargs(options, args)
+        self.config.args = []
+        self.recorder = _Recorder()
+        self.config.pluginmanager.register(self.recorder, "cpq-rank-recorder")
+        self.config._do_configure()
+        self._silence_terminal()
+        for name in ("lfplugin", "nfplugin", "stepwiseplugin"):  # the caller's cache only
+            plugin = self.config.pluginmanager.get_plugin(name)
+            if plugin is not None:
+                self.config.pluginmanager.unregister(plugin)
+        from cpq.rank import pgroups
+
+        self.groups_before = {id(pg) for pg in pgroups.made_groups()}
+        self.session = Session.from_config(self.config)
+        self.config.hook.pytest_sessionstart(session=self.session)
+        self.items: dict[str, Any] = {}
+        self.collected: set[str] = set()
+        self.last: Any = None
+
+    def _silence_terminal(self) -> None:
+        """The terminal reporter stays (assertion explanations and plugins ask it for its
+        writer) but writes nowhere: reporting is the calling process's."""
+        from _pytest._io import TerminalWriter
+
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            self._devnull = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+            reporter._tw = TerminalWriter(self._devnull)
+            reporter._tw.hasmarkup = False
+
+    def item(self, nodeid: str, path: str) -> Any:
+        """The item ``nodeid``, collecting its module ``path`` once; a str saying why not."""
+        if nodeid not in self.items and path not in self.collected:
+            self.collected.add(path)
+            self.recorder.collect_failures = []
+            try:
+                found = self.session.perform_collect([path])
+            except Exception as exc:  # UsageError (not found) and the like
+                return f"collecting {path} failed in this rank: {exc}"
+            for item in found:
+                self.items.setdefault(item.nodeid, item)
+                _note_test_module(getattr(item, "module", None))
+        item = self.items.get(nodeid)
+        if item is not None:
+            return item
+        failures = "\n".join(str(r.longrepr) for r in self.recorder.collect_failures)
+        return (
+            f"this rank collected no test {nodeid} from {path}"
+            + (f":\n{failures}" if failures else " (its ids differ from the calling process's)")
+        )
+
+    def run(self, item: Any, next_nodeid: str | None) -> None:
+        """Run ``item``'s protocol, torn down towards ``next_nodeid`` (the caller's next)."""
+        state = self.session._setupstate
+        if self.last is not None and self.last is not item:
+            # Left standing by a test whose next one ran elsewhere: end it before this one.
+            state.teardown_exact(_Next(_shared_chain(self.last, item.nodeid) or []))
+        self.last = item
+        chain = _shared_chain(item, next_nodeid)
+        nextitem = None if chain is None else _Next(chain)
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        if nextitem is None:
+            self.last = None
+
+    def close(self) -> None:
+        """Finish the session: fixtures still standing are torn down, plugins unconfigured."""
+        os.chdir(self.dir)
+        try:
+            self.config.hook.pytest_sessionfinish(session=self.session, exitstatus=0)
+        finally:
+            self.config._ensure_unconfigure()
+            from cpq.rank import pgroups
+
+            pgroups.destroy_made(self.groups_before)  # what its fixtures made and left
+            devnull = getattr(self, "_devnull", None)
+            if devnull is not None:
+                devnull.close()
+
+
+_current: RankSession | None = None
+#: Test modules pytest imported here: name -> (file, its stamp then).
+_test_modules: dict[str, tuple[str, tuple[int, int]]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (info.st_mtime_ns, info.st_size)
+
+
+def _note_test_module(module: Any) -> None:
+    """A test module is a leaf only pytest imports: an edit of it needs no fresh group. The
+    code check skips it; the next calling session imports it again if it changed."""
+    from cpq.rank import freshness
+
+    path = getattr(module, "__file__", None)
+    if module is None or not isinstance(path, str) or module.__name__ in _test_modules:
+        return
+    _test_modules[module.__name__] = (path, _stamp(path))
+    freshness.reexecuted.add(module.__name__)
+
+
+def _forget_changed_test_modules() -> None:
+    for name, (path, stamp) in list(_test_modules.items()):
+        if _stamp(path) != stamp:
+            sys.modules.pop(name, None)
+            del _test_modules[name]
+
+
+def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
+    global _current
+    if _current is not None and _current.key != key:
+        previous, _current = _current, None
+        try:
+            previous.close()
+        except Exception:
+            import logging
+
+            logging.getLogger("cpq.rank").exception("finishing the previous session failed")
+    if _current is None:
+        _forget_changed_test_modules()  # as a fresh process would import them
+        _current = RankSession(key, setup, rank)
+    os.chdir(_current.dir)
+    return _current
+
+
+def _fresh_generators() -> None:
+    """``random``, numpy and torch as a fresh process starts them: from fresh entropy."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def run_item(
+    session: str, setup: dict[str, Any], nodeid: str, path: str, next: str | None = None
+) -> ItemRun:
+    """Run test ``nodeid`` (of the file ``path``) through this rank's pytest session of the
+    calling ``session``; ``next`` is the caller's next test id (None: its last test)."""
+    rank = int(os.environ.get("RANK", "0"))
+    current = _session_for(session, setup, rank)
+    current.recorder.clear()
+    item = current.item(nodeid, path)
+    if isinstance(item, str):
+        return _not_collected(current, nodeid, item)
+    _fresh_generators()
+    current.run(item, next)
+    return _item_run(current, rank)
+
+
+def _not_collected(current: RankSession, nodeid: str, why: str) -> ItemRun:
+    from _pytest.reports import TestReport
+
+    report = TestReport(nodeid, (nodeid, None, nodeid), {}, "failed", why, "setup")
+    data = current.config.hook.pytest_report_to_serializable(config=current.config, report=report)
+    return ItemRun("failed", [data], [], ("CollectError", why.partition("\n")[0], why))
+
+
+def _item_run(current: RankSession, rank: int) -> ItemRun:
+    recorder = current.recorder
+    config = current.config
+    reports = [
+        _travelling(config.hook.pytest_report_to_serializable(config=config, report=r))
+        for r in recorder.reports
+    ]
+    failed = [r for r in recorder.reports if r.failed]
+    if failed:
+        outcome = "failed"
+        kind = type(recorder.failure).__name__ if recorder.failure is not None else "Failed"
+        text = failed[0].longreprtext
+        crash = getattr(failed[0].longrepr, "reprcrash", None)
+        line = crash.message if crash is not None else text.strip().partition("\n")[0]
+        error: tuple[str, str, str] | None = (kind, line, text[-8000:])
+    elif any(r.skipped for r in recorder.reports if r.when != "teardown"):
+        outcome = "skipped"
+        skipped = next(r for r in recorder.reports if r.skipped)
+        reason = skipped.longrepr[2] if isinstance(skipped.longrepr, tuple) else "xfail"
+        error = ("Skipped", str(reason), "")
+    else:
+        outcome, error = "passed", None
+    return ItemRun(outcome, reports, recorder.warnings, error, recorder.failure)
+
+
+def _travelling(data: dict[str, Any]) -> dict[str, Any]:
+    """A serialised report made msgpack-safe: sections bounded, plugin attributes that are
+    not plain data dropped, user properties' values that are not plain data as ``repr``."""
+    from cpq import protocol
+
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "sections":
+            value = [[title, _bounded(str(text))] for title, text in value]
+        elif key == "user_properties":
+            value = [
+                [str(name), v if not protocol.travel_problem(v) else repr(v)] for name, v in value
+            ]
+        if key in _REPORT_KEYS or key == "user_properties" or not protocol.travel_problem(value):
+            out[key] = value
+    return out
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_SECTION_CHARS:
+        return text
+    cut = len(text) - MAX_SECTION_CHARS
+    return text[:MAX_SECTION_CHARS] + f"\n[cpq: {cut} more characters cut]\n"

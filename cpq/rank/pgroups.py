@@ -1,0 +1,90 @@
+"""The warm default process group, as the code under test sees it.
+
+Every rank of a warm group initialised ``torch.distributed``'s default group once, at start.
+Code written for a fresh ``torchrun`` worker initialises it itself: a conftest fixture, a
+``setup_method`` or a script calls ``dist.init_process_group(...)`` with no guard (under
+torchrun every process is fresh) and ``dist.destroy_process_group()`` at the end. So in a
+rank:
+
+* ``init_process_group`` while the warm default group stands joins it: nothing is created,
+  nothing raises "trying to initialize the default process group twice". A backend the warm
+  group cannot serve (``nccl`` asked of a ``gloo`` group on a machine with GPUs) is refused,
+  as a fresh worker without that backend would refuse it.
+* ``destroy_process_group()`` of the default group (no argument, or the group itself) leaves
+  it warm; destroying a group the code made destroys it for real.
+* Groups the code made (``new_group``, a ``DeviceMesh``) and did not destroy are destroyed
+  when the pytest session that made them ends in this rank (``cpq.rank.items``), so a
+  group a module or session fixture built lives as long as that fixture's scope allows.
+
+Installed once per rank (:func:`install`), after the warm group exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger("cpq.rank")
+
+_installed = False
+_warm: Any = None
+
+
+def install() -> None:
+    """Wrap ``init_process_group``/``destroy_process_group`` (both module attributes)."""
+    global _installed, _warm
+    if _installed:
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _installed = True
+    _warm = c10d._get_default_group()
+    real_init, real_destroy = c10d.init_process_group, c10d.destroy_process_group
+
+    @functools.wraps(real_init)
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
+        if not c10d.is_initialized():
+            real_init(backend, *args, **kwargs)
+            return
+        asked = str(backend or kwargs.get("backend") or "").lower()
+        have = str(c10d.get_backend()).lower()
+        if asked and asked not in have and not (asked == "cpu:gloo,cuda:nccl"):
+            raise RuntimeError(
+                f"init_process_group(backend={asked!r}): this warm group runs {have!r} "
+                "(cpq picks nccl on GPUs, gloo without)"
+            )
+
+    @functools.wraps(real_destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is c10d._get_default_group():
+            return  # the warm default group stays for the next task
+        real_destroy(group)
+
+    for module in (dist, c10d):
+        module.init_process_group = init_process_group  # type: ignore[attr-defined]
+        module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+
+
+def made_groups() -> list[Any]:
+    """The process groups that exist now besides the warm default group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not c10d.is_initialized():
+        return []
+    default = c10d._get_default_group()
+    return [pg for pg in list(c10d._world.pg_map) if pg is not default]
+
+
+def destroy_made(before: set[int]) -> None:
+    """Destroy the groups made since ``before`` (ids of :func:`made_groups` then)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    real_destroy = c10d.destroy_process_group.__wrapped__  # type: ignore[attr-defined]
+    for pg in made_groups():
+        if id(pg) not in before:
+            try:
+                real_destroy(pg)
+            except Exception:
+                log.exception("destroying a process group a test made failed")
