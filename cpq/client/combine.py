@@ -43,22 +43,28 @@ def phases(
         decoded = [_decode(config, data) for data in rank.reports]
         if not decoded or any(report is None for report in decoded):
             return None
-        reports = {report.when: report for report in decoded if report is not None}
-        if "setup" not in reports or len(reports) != len(decoded):
+        phases_of: dict[str, pytest.TestReport] = {r.when: r for r in decoded if r is not None}
+        if "setup" not in phases_of or len(phases_of) != len(decoded):
             return None
-        by_rank[rank.rank] = reports
+        by_rank[rank.rank] = phases_of
     combined: dict[str, pytest.TestReport] = {}
     for when in PHASES:
         present = [(rank, reports[when]) for rank, reports in by_rank.items() if when in reports]
         if present:
             combined[when] = combine_phase(present, world_size, result.group_id)
     if result.outcome == "failed" and not any(r.failed for r in combined.values()):
-        xfailed = all(hasattr(r, "wasxfail") for rs in by_rank.values() for r in rs.values()
-                      if r.when == "call")
+        xfailed = all(
+            hasattr(r, "wasxfail")
+            for rs in by_rank.values()
+            for r in rs.values()
+            if r.when == "call"
+        )
         if not xfailed:
             last = combined["call" if "call" in combined else "setup"]
             last.outcome = "failed"
-            last.longrepr = f"cpq: the ranks' verdict is failed ({result.message}), no report says why"
+            last.longrepr = (
+                f"cpq: the ranks' verdict is failed ({result.message}), no report says why"
+            )
     return combined
 
 

@@ -1,16 +1,18 @@
-"""The pytest plugin: ``@pytest.mark.cpq(world_size=2)`` and the ``cpq`` fixture.
+"""The pytest plugin: ``@pytest.mark.cpq(world_size=2)``, ``--cpq-world-size N`` and the
+``cpq`` fixture.
 
-Porting a distributed test is one marker: the test body is sent to every rank of a warm
-group of the right spec (through ``cpq.rank.pytest_task``), parametrize values travel as
-msgpack, and the verdict comes back as an ordinary pass / fail / skip whose report reads
-like a local one: the first failing rank's traceback as the long repr, every other rank's
-error and every rank's captured output as report sections, and retry notes on the test's
-stderr (so JUnit's ``<system-err>`` carries them).
+A test that runs on the ranks runs there through pytest itself, as under ``torchrun
+--nproc-per-node N -m pytest``: every rank of a warm group runs the test's whole protocol
+(fixtures of every scope, class setup, warning filters, capture) in a pytest session made
+from this one's configuration, and this process hands pytest the ranks' combined reports
+(:mod:`cpq.client.items`). Porting a suite written for ``torchrun -m pytest`` is one option,
+``--cpq-world-size N``; a marker sets one test's world size.
 
 The plugin is a client of one broker per node: every pytest session and every xdist worker
-talks to the same broker, which starts (once, under a file lock) when the first marked test
+talks to the same broker, which starts (once, under a file lock) when the first such test
 needs it. After collection the plugin tells the broker which specs the selected tests need,
-so groups start while the first tests are being set up.
+so groups start while the first tests are being set up. Under a launcher (pytest itself
+started by torchrun) the plugin steps aside: every test runs in this process, as asked.
 
 Configuration, strongest first: command-line option, ``CPQ_*`` variable, ini option.
 """
@@ -25,8 +27,7 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
-from cpq.client import pdb_relay, reruns, timeouts
-from cpq.client import items
+from cpq.client import items, pdb_relay, reruns, timeouts
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,

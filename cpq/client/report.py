@@ -1,10 +1,11 @@
 """How a verdict from the ranks becomes a pytest report (the plugin's reporting half).
 
-A failing rank's traceback is the report, as a local failure's would be; other ranks'
-different errors and every rank's output are report sections; retry notes go to the
-test's stderr (so JUnit's ``<system-err>`` has them); a skip on every rank is a skip.
-Arguments are checked before anything travels, so a value that cannot be sent names
-itself instead of failing on the wire.
+For what ``cpq.run`` (the fixture) gets back, and for a test run on the ranks whose verdict
+carries no reports of theirs (a deadline, a dead rank: cpq's infra error). A failing rank's
+traceback is the report, as a local failure's would be; other ranks' different errors and
+every rank's output are report sections; retry notes go to the test's stderr (so JUnit's
+``<system-err>`` has them); a skip on every rank is a skip. A test the ranks ran through
+pytest is reported from their own reports instead (:mod:`cpq.client.combine`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any
 
 import pytest
 from _pytest._code.code import (
@@ -25,8 +25,6 @@ from _pytest._code.code import (
 from cpq import protocol
 from cpq.protocol import TaskResult
 
-#: Fixtures a marker test cannot use: they live in the pytest process, not on the ranks.
-RESERVED_FIXTURES = {"cpq", "request"}
 #: Where the body took its skip (file, line), for the report's location.
 SKIP_LOCATION_KEY = pytest.StashKey[tuple[str, int]]()
 _FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+)', re.M)
@@ -133,33 +131,6 @@ def skip_location(traceback: str) -> tuple[str, int] | None:
         if not path.startswith(_NOT_USER) and "/_pytest/" not in path:
             found = (path, int(match["line"]))
     return found
-
-
-def travelling_args(item: pytest.Function) -> dict[str, Any]:
-    params = getattr(item, "callspec", None)
-    param_names = set(params.params) if params is not None else set()
-    args: dict[str, Any] = {}
-    for name in item._fixtureinfo.argnames:
-        value = item.funcargs[name]
-        if name in RESERVED_FIXTURES:
-            pytest.fail(
-                f"a @pytest.mark.cpq test runs on the ranks and cannot use the {name!r} fixture",
-                pytrace=False,
-            )
-        problem = protocol.travel_problem(value)
-        if problem:
-            if name in param_names:
-                what = f"parameter {name!r} = {value!r} (a {type(value).__name__})"
-            else:
-                what = f"fixture {name!r} (a {type(value).__name__})"
-            pytest.fail(
-                f"{what} cannot travel to the ranks: {problem}. Only msgpack-able values (None, "
-                "bool, int, float, str, bytes, lists and dicts of them) travel; build other "
-                "objects inside the test body.",
-                pytrace=False,
-            )
-        args[name] = value
-    return args
 
 
 def ranks_repr(failed: CpqTaskFailed, path: str) -> ReprExceptionInfo:

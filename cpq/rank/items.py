@@ -223,16 +223,15 @@ class RankSession:
                 found = self.session.perform_collect([path])
             except Exception as exc:  # UsageError (not found) and the like
                 return f"collecting {path} failed in this rank: {exc}"
-            for item in found:
-                self.items.setdefault(item.nodeid, item)
-                _note_test_module(getattr(item, "module", None))
+            for each in found:
+                self.items.setdefault(each.nodeid, each)
+                _note_test_module(getattr(each, "module", None))
         item = self.items.get(nodeid)
         if item is not None:
             return item
         failures = "\n".join(str(r.longrepr) for r in self.recorder.collect_failures)
-        return (
-            f"this rank collected no test {nodeid} from {path}"
-            + (f":\n{failures}" if failures else " (its ids differ from the calling process's)")
+        return f"this rank collected no test {nodeid} from {path}" + (
+            f":\n{failures}" if failures else " (its ids differ from the calling process's)"
         )
 
     def run(self, item: Any, next_nodeid: str | None) -> None:
@@ -240,7 +239,8 @@ class RankSession:
         state = self.session._setupstate
         if self.last is not None and self.last is not item:
             # Left standing by a test whose next one ran elsewhere: end it before this one.
-            state.teardown_exact(_Next(_shared_chain(self.last, item.nodeid) or []))
+            stand_in: Any = _Next(_shared_chain(self.last, item.nodeid) or [])
+            state.teardown_exact(stand_in)
         self.last = item
         chain = _shared_chain(item, next_nodeid)
         nextitem = None if chain is None else _Next(chain)

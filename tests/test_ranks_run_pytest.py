@@ -1,0 +1,301 @@
+"""The ranks run pytest: a suite written for ``torchrun -m pytest`` gives, test by test, the
+verdicts of a fresh ``torchrun --nproc-per-node 2 -m pytest`` under cpq — with
+``--cpq-world-size 2`` and no marker, with a module marker, on the first session and the
+next (warm) one. Real torchrun, real broker, real gloo.
+
+The reference and cpq runs load the same small verdict plugin (``-p verdicts``), which writes
+each pytest process's outcome per test id; the reference's verdict of a test is its ranks'
+combined (failed when any rank failed, skipped when every rank skipped). The reference runs
+with cpq's plugin loaded: under a launcher it steps aside, which this checks too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_group():
+    dist.init_process_group("gloo")  # no guard: under torchrun every process is fresh
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def module_sum():
+    t = torch.arange(4.0)
+    dist.all_reduce(t)
+    return t
+
+
+class Model:
+    def __init__(self):
+        self.weight = torch.ones(3) * (dist.get_rank() + 1)
+
+
+@pytest.fixture
+def model():
+    return Model()
+"""
+
+PLAIN = """
+import logging
+import os
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def test_module_fixture(module_sum):
+    assert module_sum.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_fixture_builds_an_object(model):
+    dist.all_reduce(model.weight)
+    assert model.weight.tolist() == [3.0, 3.0, 3.0]
+
+
+def test_tmp_path(tmp_path):
+    (tmp_path / "x").write_text(str(dist.get_rank()))
+    assert (tmp_path / "x").read_text() == str(dist.get_rank())
+
+
+def test_monkeypatch(monkeypatch):
+    monkeypatch.setenv("CPQ_DIFF_VAR", "1")
+    assert os.environ["CPQ_DIFF_VAR"] == "1"
+
+
+def test_capsys(capsys):
+    print("hello")
+    assert capsys.readouterr().out == "hello\\n"
+
+
+def test_caplog(caplog):
+    logging.getLogger("project").warning("watch out")
+    assert "watch out" in caplog.text
+
+
+def test_request(request):
+    assert request.node.name == "test_request"
+
+
+def test_root_logger_as_fresh():
+    assert logging.getLogger().getEffectiveLevel() == logging.WARNING
+
+
+def test_ini_filter_makes_deprecation_an_error():
+    warnings.warn("old api", DeprecationWarning)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_mark_ignores_deprecation():
+    warnings.warn("old api", DeprecationWarning)
+
+
+def test_assertion_detail():
+    assert [1, 2, 3] == [1, 3, 3]
+
+
+def test_forgot_to_broadcast_weights():
+    weights = torch.randn(4)  # every fresh rank draws its own
+    gathered = [torch.zeros(4) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, weights)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def test_broadcast_weights():
+    weights = torch.randn(4)
+    dist.broadcast(weights, 0)
+    gathered = [torch.zeros(4) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, weights)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def test_random_differs_per_rank():
+    drawn = [None] * dist.get_world_size()
+    dist.all_gather_object(drawn, random.random())
+    assert drawn[0] != drawn[1]
+
+
+@pytest.mark.xfail(reason="known bug")
+def test_xfail():
+    assert False
+
+
+def test_skip_inside():
+    pytest.skip("not on this world")
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one", "two"])
+def test_param_ids(n):
+    assert n in (1, 2)
+
+
+class TestSetupMethod:
+    def setup_method(self):
+        self.rank = dist.get_rank()
+
+    def teardown_method(self):
+        del self.rank
+
+    def test_rank_from_setup(self):
+        assert self.rank == dist.get_rank()
+
+
+class TestClassScope:
+    @pytest.fixture(scope="class", autouse=True)
+    def group(self, request):
+        request.cls.pg = dist.new_group([0, 1])
+        yield
+        dist.destroy_process_group(request.cls.pg)
+
+    def test_uses_class_group(self):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.pg)
+        assert t.item() == 2.0
+"""
+
+MARKED = """
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.cpq(world_size=2)
+
+
+def test_marked_passes(module_sum):
+    assert module_sum.sum().item() == 12.0
+
+
+def test_marked_fails_on_rank_one():
+    assert dist.get_rank() == 0
+"""
+
+VERDICTS = """
+import json
+import os
+
+outcomes = {}
+
+
+def pytest_runtest_logreport(report):
+    now = outcomes.setdefault(report.nodeid, "passed")
+    if report.failed:
+        outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
+    elif report.skipped and now == "passed":
+        outcomes[report.nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("VERDICTS_OUT")
+    if out:
+        with open(f"{out}-{os.environ.get('RANK', 'client')}.json", "w") as handle:
+            json.dump(outcomes, handle)
+"""
+
+INI = """
+[pytest]
+filterwarnings =
+    error::DeprecationWarning
+"""
+
+
+def _combined(per_rank: list[dict[str, str]]) -> dict[str, str]:
+    """The reference's verdict per test: its ranks' outcomes combined."""
+    verdicts = {}
+    for nodeid in per_rank[0]:
+        seen = {ranks[nodeid] for ranks in per_rank}
+        for outcome in ("error", "failed", "passed", "xfailed", "skipped"):
+            if outcome in seen:
+                verdicts[nodeid] = outcome
+                break
+    return verdicts
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_plain=PLAIN, test_marked=MARKED, verdicts=VERDICTS)
+    pytester.makeini(INI)
+    return pytester.path
+
+
+def _run(args: list[str], out: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, VERDICTS_OUT=str(out))
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
+    pytest_args = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA"]
+    ref = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "pytest",
+            *pytest_args,
+        ],
+        project / "ref",
+        project,
+    )
+    assert "cpq steps aside" in ref.stdout, ref.stdout[-3000:]
+    reference = _combined(
+        [json.loads((project / f"ref-{rank}.json").read_text()) for rank in (0, 1)]
+    )
+    # What makes a fresh run differ from a warm bare function call, each in the reference:
+    assert reference["test_plain.py::test_forgot_to_broadcast_weights"] == "failed"
+    assert reference["test_plain.py::test_ini_filter_makes_deprecation_an_error"] == "failed"
+    assert reference["test_plain.py::test_tmp_path"] == "passed"
+    assert len(reference) == 22, reference
+
+    for session in ("cold", "warm"):
+        run = _run(
+            [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *pytest_args],
+            project / f"cpq-{session}",
+            project,
+        )
+        got = json.loads((project / f"cpq-{session}-client.json").read_text())
+        differ = {
+            k: (reference.get(k), got.get(k))
+            for k in reference | got
+            if reference.get(k) != got.get(k)
+        }
+        assert not differ, (
+            f"{session} session differs from the fresh run: {differ}\n{run.stdout[-4000:]}"
+        )
+        # pytest's own assertion detail, from the rank that failed
+        assert "At index 1 diff: 2 != 3" in run.stdout
+        assert "cpq: 22 task(s)" in run.stdout
+
+    # A module marker alone (no --cpq-world-size): the marked tests, the same verdicts.
+    run = _run(
+        [sys.executable, "-m", "pytest", "test_marked.py", *pytest_args],
+        project / "marker",
+        project,
+    )
+    got = json.loads((project / "marker-client.json").read_text())
+    assert got == {k: v for k, v in reference.items() if k.startswith("test_marked.py")}, run.stdout
+    assert "failed on rank(s) [1] of 2" in run.stdout
