@@ -277,6 +277,8 @@ class RankStacks(Message):
     task_id: str
     rank: int
     stacks: str
+    #: The phase of the test pytest runs in the rank (setup, call, teardown; "" none).
+    phase: str = ""
 
 
 # ---- broker -> rank
@@ -486,7 +488,8 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "rank-report": {"rank_done": ("result.report",), "done": ("result.ranks.report",)},
     "rank-pytest": {
         "rank_done": ("result.reports", "result.warnings"),
-        "done": ("result.ranks.reports", "result.ranks.warnings"),
+        "rank_stacks": ("phase",),
+        "done": ("result.ranks.reports", "result.ranks.warnings", "result.phase"),
     },
     "task-coverage": {
         "submit": ("coverage",),

@@ -135,6 +135,9 @@ class TaskResult:
     debug_rank: int = -1
     #: Each rank's coverage data (see :attr:`RankDone.coverage`), for the client to merge.
     coverage: list[bytes] = field(default_factory=list)
+    #: Where a deadline found a test pytest ran in the ranks: the phase (setup, call,
+    #: teardown) of the lowest rank that was in one; "" otherwise (feature ``rank-pytest``).
+    phase: str = ""
 
     @property
     def value(self) -> Any:

@@ -104,6 +104,10 @@ class Task:
     stacks_reason: str = ""
     stacks_until: float | None = None
     stacks: dict[int, str] = field(default_factory=dict)
+    #: Per rank, the test phase its stack was in (``RankStacks.phase``).
+    stack_phases: dict[int, str] = field(default_factory=dict)
+    #: Where the last deadline found the test (``TaskResult.phase``), kept past the stacks.
+    hung_phase: str = ""
     orphaned: bool = False
     first_queued_at: float = 0.0
     # The deadline the client asked for; with --adaptive-timeout, ``timeout_s`` may be a

@@ -281,6 +281,7 @@ class Tasks:
         task.pg_seqs.clear()
         task.grace_until = task.stacks_until = task.cancel_until = None
         task.stacks.clear()
+        task.stack_phases.clear()
         task.coverage.clear()
 
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
@@ -288,6 +289,8 @@ class Tasks:
         if task is None or task.submit.task_id != message.task_id or task.stacks_until is None:
             return
         task.stacks[rank_no] = message.stacks
+        if message.phase:
+            task.stack_phases[rank_no] = message.phase
         if set(task.stacks) >= hangs.stack_ranks(task):
             self._stacks_collected(task)
 
@@ -338,6 +341,8 @@ class Tasks:
         task.stacks_until = None
         stacks = hangs.stacks_text(task)
         if task.stacks_reason == "deadline":
+            phases = task.stack_phases
+            task.hung_phase = next((phases[r] for r in sorted(phases)), "")
             reason = hangs.deadline_passed(task)
             self.group_requests.append(GroupRequest(group, reason))
             self.infra_error(task, reason, f"where each rank was:\n{stacks}")

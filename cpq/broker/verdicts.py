@@ -105,6 +105,7 @@ class Verdicts:
             spawn_wait_s=round(task.spawn_wait_s, 4) if task.spawn_wait_s is not None else None,
             debug_rank=task.debug_rank,
             coverage=[task.coverage[r] for r in sorted(task.coverage)],
+            phase=task.hung_phase,
         )
         ran = task.started_at or task.attempts > 1  # not: rejected, cancelled while queued
         timing = self.timing(task, result) if ran else None  # the outcome before any encoding

@@ -64,6 +64,8 @@ class _Run:
     world_size: int
     result: TaskResult | None = None
     phases: dict[str, pytest.TestReport] = field(default_factory=dict)
+    #: Why nothing was sent (the broker is gone), raised in the call phase.
+    refused: BaseException | None = None
 
 
 RUN_KEY = pytest.StashKey[_Run]()
@@ -156,12 +158,18 @@ def restore(item: pytest.Item) -> None:
 def _setup(item: pytest.Item) -> None:
     """The setup phase: the whole test runs on the ranks; raise what their setup ended in."""
     run = item.stash[RUN_KEY]
-    run.phases = {}
-    run.result = result = run.submit(run.kwargs)
+    run.phases, run.refused = {}, None
+    try:
+        run.result = result = run.submit(run.kwargs)
+    except pytest.fail.Exception as exc:  # the broker is gone: one line, in the call phase
+        run.refused = exc
+        return
     if item.config.getoption("capture", "fd") == "no":
         _stream_output(result)
     phases = combine.phases(result, run.world_size, item.config)
     if phases is None:
+        if result.phase == "setup":  # a deadline found the ranks in a fixture's setup
+            _infra(item, result)
         return  # no reports: the call phase says what happened (cpq's infra error)
     run.phases = phases
     _record_warnings(item, result)
@@ -170,16 +178,23 @@ def _setup(item: pytest.Item) -> None:
 
 def _call(item: pytest.Item) -> None:
     run = item.stash[RUN_KEY]
+    if run.refused is not None:
+        raise run.refused
     result = run.result
     assert result is not None
     if not run.phases:
-        from cpq.client import timeouts
-
-        timeouts.fail_if_timed_out(item, result)
-        _offer_debugger(item, result)
-        report_result(item, result, item.nodeid)
-        raise CpqTaskFailed(result, item.nodeid)  # passed without reports: fail closed
+        _infra(item, result)
     _raise_for(item, result, run.phases.get("call"))
+
+
+def _infra(item: pytest.Item, result: TaskResult) -> None:
+    """A verdict without the ranks' reports: pytest-timeout's failure, or cpq's error."""
+    from cpq.client import timeouts
+
+    timeouts.fail_if_timed_out(item, result)
+    _offer_debugger(item, result)
+    report_result(item, result, item.nodeid)
+    raise CpqTaskFailed(result, item.nodeid)  # passed without reports: fail closed
 
 
 def _raise_for(item: pytest.Item, result: TaskResult, report: pytest.TestReport | None) -> None:

@@ -366,13 +366,15 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, Any]:
     report = yield
-    report = items.phase_report(item, call.when) or report  # the ranks' own, when they ran it
+    ranks = items.phase_report(item, call.when)  # the ranks' own, when pytest ran it there
+    if ranks is not None:
+        report = ranks
+    elif call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
+        report.longrepr = ranks_repr(call.excinfo.value, str(item.path))  # no reports of theirs
     waits = item.config.stash[SESSION_KEY].spawn_waits
     waited = waits.pop(item.nodeid, None) if call.when == "teardown" else None
     if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
-    if call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
-        report.longrepr = ranks_repr(call.excinfo.value, str(item.path))
     location = item.stash.get(SKIP_LOCATION_KEY, None)
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
         report.longrepr = (location[0], location[1], report.longrepr[2])  # the body's skip

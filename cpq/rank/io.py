@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from cpq import protocol
-from cpq.rank import cancel
+from cpq.rank import cancel, items
 
 log = logging.getLogger("cpq.rank")
 
@@ -214,9 +214,13 @@ class Link:
 
     def _on_dump_stacks(self, message: protocol.DumpStacks) -> None:
         stacks = protocol.RankStacks(
-            task_id=message.task_id, rank=self.config.rank, stacks=self.main_stack()
+            task_id=message.task_id,
+            rank=self.config.rank,
+            stacks=self.main_stack(),
+            phase=items.phase if cancel.current() else "",
         )
-        self.send(protocol.encode(stacks))
+        features = frozenset(os.environ.get(protocol.FEATURES_ENV, "").split(","))
+        self.send(protocol.encode_for(stacks, features))  # the broker's features only
 
     def _on_shutdown(self, message: protocol.Shutdown) -> None:
         self.shutting_down = True
@@ -272,10 +276,26 @@ class Watchdog(threading.Thread):
 
 
 def user_stack(frames: traceback.StackSummary) -> str:
-    """The frames after cpq's last one: the user's code, where it is now."""
+    """The frames after cpq's last one and the test harness's (pytest and pluggy calling a
+    test or a fixture) that follow it: the user's code, where it is now."""
     cpq_frames = [i for i, f in enumerate(frames) if f.filename.startswith(CPQ_DIR)]
     start = cpq_frames[-1] + 1 if cpq_frames else 0
-    return "".join(traceback.format_list(frames[start:])) or "(in cpq's own code)"
+    harness = _harness_dirs()
+    user = start
+    while user < len(frames) and harness and frames[user].filename.startswith(harness):
+        user += 1
+    shown = frames[user:] if user < len(frames) else frames[start:]
+    return "".join(traceback.format_list(shown)) or "(in cpq's own code)"
+
+
+def _harness_dirs() -> tuple[str, ...]:
+    """pytest's and pluggy's folders, where they are loaded (never imported here)."""
+    dirs = []
+    for name in ("_pytest", "pluggy"):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(path, str):
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
 
 
 def hard_exit(code: int) -> None:

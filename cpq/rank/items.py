@@ -99,8 +99,13 @@ class ItemRun:
     failure: BaseException | None = None
 
 
+#: The phase of the test running now ("" between tests), for a deadline's stack report.
+phase = ""
+
+
 class _Recorder:
-    """A plugin in the rank's session: what the item's protocol reported."""
+    """A plugin in the rank's session: what the item's protocol reported, and which phase
+    runs now."""
 
     def __init__(self) -> None:
         self.reports: list[Any] = []
@@ -136,6 +141,34 @@ class _Recorder:
                 "nodeid": nodeid,
             }
         )
+
+
+def _phase_plugin() -> Any:
+    """A plugin that keeps :data:`phase` (pytest imported only when a session starts)."""
+    import pytest
+
+    def within(name: str) -> Any:
+        global phase
+        phase = name
+        try:
+            return (yield)
+        finally:
+            phase = ""
+
+    class Phases:
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_setup(self, item: Any) -> Any:
+            return (yield from within("setup"))
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_call(self, item: Any) -> Any:
+            return (yield from within("call"))
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_teardown(self, item: Any) -> Any:
+            return (yield from within("teardown"))
+
+    return Phases()
 
 
 class _Next:
@@ -188,6 +221,7 @@ class RankSession:
         self.config.args = []
         self.recorder = _Recorder()
         self.config.pluginmanager.register(self.recorder, "cpq-rank-recorder")
+        self.config.pluginmanager.register(_phase_plugin(), "cpq-rank-phases")
         self.config._do_configure()
         self._silence_terminal()
         for name in ("lfplugin", "nfplugin", "stepwiseplugin"):  # the caller's cache only
