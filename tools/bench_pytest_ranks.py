@@ -12,7 +12,7 @@ everything a test costs beyond its own (empty) body: the pytest process's protoc
 submit, the broker, the ranks (reset, and now their pytest protocol), the reports back.
 
     python tools/bench_pytest_ranks.py [--tests 200] [--reps 3] [--baseline 51d7909]
-        [--gpus none|auto] [--json OUT]
+        [--gpus none|auto] [--world-size 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = """
 import pytest
 
-@pytest.mark.cpq(world_size=2)
+@pytest.mark.cpq(world_size={ws})
 @pytest.mark.parametrize("i", range({n}))
 def test_noop(i):
     pass
@@ -47,6 +47,9 @@ def tree_env(tree: Path, state: Path) -> dict[str, str]:
     env["CPQ_STATE_DIR"] = str(state)
     env["CPQ_ENDPOINT"] = f"ipc://{state / 'broker.sock'}"
     env["CPQ_AUTOSTART"] = "0"
+    # Only cpq's plugin, from the tree under test (it may be on PYTHONPATH only, as on the
+    # GPU host): installed plugins are not billed to either tree.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return env
 
 
@@ -57,6 +60,7 @@ def start_broker(env: dict[str, str], gpus: str, log: Path) -> subprocess.Popen[
     proc = subprocess.Popen(
         [sys.executable, "-m", "cpq.broker", "--gpus", gpus, "--endpoint", env["CPQ_ENDPOINT"]],
         env=env,
+        cwd=state,  # not the repo: `-m` puts the working directory first on sys.path
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -64,12 +68,32 @@ def start_broker(env: dict[str, str], gpus: str, log: Path) -> subprocess.Popen[
     deadline = time.monotonic() + 60
     while not (state / "broker.sock").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the broker did not start: see {log}")
+            raise SystemExit(f"the broker did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     return proc
 
 
+def settle(env: dict[str, str]) -> None:
+    """Wait until the broker starts no group (a spare spawning in the background would take
+    the two cores from the session being measured)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done = subprocess.run(
+            [sys.executable, "-m", "cpq", "status", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=env["CPQ_STATE_DIR"],
+        )
+        pools = json.loads(done.stdout).get("pools", []) if done.returncode == 0 else []
+        if done.returncode == 0 and not any(p.get("state") == "starting" for p in pools):
+            return
+        time.sleep(0.5)
+
+
 def session_wall(project: Path, module: str, env: dict[str, str]) -> float:
+    settle(env)
     start = time.perf_counter()
     done = subprocess.run(
         [
@@ -78,7 +102,7 @@ def session_wall(project: Path, module: str, env: dict[str, str]) -> float:
             "pytest",
             "-q",
             "-p",
-            "no:randomly",
+            "cpq.client.plugin",
             "-p",
             "no:cacheprovider",
             module,
@@ -101,17 +125,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tests", type=int, default=200)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--baseline", default="51d7909", help="the tree to compare with")
+    parser.add_argument("--baseline", default="51d7909", help="the commit to compare with")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="that commit's files, already extracted (a host without the git history)",
+    )
     parser.add_argument("--gpus", default="none")
+    parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-pytest-ranks-"))
     project = work / "project"
     project.mkdir()
-    (project / "test_many.py").write_text(PROJECT.format(n=args.tests))
-    (project / "test_one.py").write_text(PROJECT.format(n=1))
+    (project / "test_many.py").write_text(PROJECT.format(n=args.tests, ws=args.world_size))
+    (project / "test_one.py").write_text(PROJECT.format(n=1, ws=args.world_size))
     trees = {"this checkout": ROOT}
-    if args.baseline:
+    if args.baseline_tree:
+        trees[f"before ({args.baseline})"] = args.baseline_tree.resolve()
+    elif args.baseline:
         base = work / "baseline"
         subprocess.run(
             ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
@@ -141,12 +174,15 @@ def main() -> None:
             proc.terminate()
         for proc in brokers.values():
             proc.wait(timeout=60)
-        if args.baseline:
+        if args.baseline and not args.baseline_tree:
             subprocess.run(
                 ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline")],
                 capture_output=True,
             )
-    print(f"{args.tests} no-op ws=2 tests per session, {args.reps} reps, gpus={args.gpus}")
+    print(
+        f"{args.tests} no-op ws={args.world_size} tests per session, {args.reps} reps, "
+        f"gpus={args.gpus}"
+    )
     print("| tree | per test, median (ms) | runs (ms) |")
     print("| --- | --- | --- |")
     for name, values in per_test.items():

@@ -89,10 +89,12 @@ class GroupProcess:
                 environ.GPU_VAR: ",".join(self.gpus),
                 LEASE_FDS_VAR: lease_fds_value(self.lease_fds),
                 "PYTHONUNBUFFERED": "1",
-                # torchrun's own default when the caller sets none (a fresh launch gets it too).
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }
         )
+        if self.spec.world_size > 1 and "OMP_NUM_THREADS" not in env:
+            # torchrun's own default for more than one rank per node when the caller sets
+            # none (its agent inside the group sets it too); a single rank keeps torch's.
+            env["OMP_NUM_THREADS"] = "1"
         # The rank must import cpq itself; the spec's roots let it import the user's code.
         env["PYTHONPATH"] = os.pathsep.join(
             [p for p in [*self.spec.roots, env.get("PYTHONPATH", "")] if p]

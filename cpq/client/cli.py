@@ -283,12 +283,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `cpq broker` becomes the broker process itself (same pid): the broker's command line
         # lives in its own folder, which no client module imports (docs/design.md)
         os.execv(sys.executable, [sys.executable, "-m", "cpq.broker", *argv[1:]])
+    if argv[:1] == ["torchrun"]:  # torchrun's own command line follows, not ours
+        from cpq.client import torchrun
+
+        return torchrun.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="cpq", description="Warm torchrun groups for test suites."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     # listed for --help; `cpq broker ...` is handed whole to the broker's own command line
     commands.add_parser("broker", help="run a broker (cpq-broker)", add_help=False)
+    commands.add_parser(
+        "torchrun",
+        help="run a torchrun launch on a warm group (torchrun's options)",
+        add_help=False,
+    )
     _status_parser(commands.add_parser("status", help="show a broker's state")).set_defaults(
         run=_run_status
     )

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
-from cpq.client import items, pdb_relay, reruns, timeouts
+from cpq.client import items, launches, pdb_relay, reruns, timeouts
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,
@@ -39,6 +39,7 @@ from cpq.fanout import plugin as fanout
 from cpq.protocol import PoolSpec, TaskResult
 
 SESSION_KEY = pytest.StashKey["CpqSession"]()
+ROUTING_KEY = pytest.StashKey[launches.Routing]()
 
 
 # --------------------------------------------------------------------------- options
@@ -67,6 +68,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
     reruns.add_options(parser, group)
     items.add_options(parser, group)
+    launches.add_options(parser, group)
     pdb_relay.add_options(group)
     parser.addini(
         "cpq_own_groups", "only groups that served no other session", type="bool", default=False
@@ -86,11 +88,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(config), "cpq-xdist")
     session = config.stash[SESSION_KEY]
+    if launches.enabled(config) and not session.under_launcher:
+        config.stash[ROUTING_KEY] = launches.Routing()  # torchrun launches go to cpq
     # CI fan-out: shards, results, durations (cpq.fanout)
     fanout.register(config, groups_started=lambda: len(session.stats.groups))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    routing = config.stash.get(ROUTING_KEY, None)
+    if routing is not None:
+        routing.close()
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()

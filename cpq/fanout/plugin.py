@@ -83,11 +83,30 @@ def add_options(parser: pytest.Parser) -> None:
     )
 
 
+def _suite_world_size(config: pytest.Config) -> int | None:
+    """``--cpq-world-size`` / ``CPQ_WORLD_SIZE`` / ini ``cpq_world_size`` (the plugin checks
+    the value; here a bad one only means no spawn cost is counted)."""
+    value = config.getoption("cpq_world_size", None) or os.environ.get("CPQ_WORLD_SIZE")
+    if value is None:
+        try:
+            value = config.getini("cpq_world_size")
+        except ValueError:
+            return None
+    try:
+        return int(value) if value else None
+    except (TypeError, ValueError):
+        return None
+
+
 def _spec(item: pytest.Item) -> str | None:
-    """The pool spec label a marker test needs (None: unmarked, no spawn cost)."""
+    """The pool spec label a test needs: its marker's, else the suite's world size for a
+    test that runs on the ranks (None: it runs in the pytest process, no spawn cost)."""
     marker = item.get_closest_marker("cpq")
     if marker is None:
-        return None
+        size = _suite_world_size(item.config)
+        if size is None or "cpq" in getattr(item, "fixturenames", ()):
+            return None
+        return spec_label(size, {})
     world_size = marker.kwargs.get("world_size", marker.args[0] if marker.args else 2)
     env = marker.kwargs.get("env") or {}
     return spec_label(world_size, env if isinstance(env, dict) else {})

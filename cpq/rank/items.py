@@ -42,7 +42,14 @@ from typing import Any
 TARGET = "cpq.rank.items:run_item"
 
 #: Plugins that do the calling process's work (see the module docstring).
-BLOCKED_PLUGINS = ("cpq", "pytest_cov", "timeout", "rerunfailures", "flaky")
+BLOCKED_PLUGINS = (
+    "cpq",
+    "cpq.client.plugin",  # its name when given as -p (cpq on PYTHONPATH, not installed)
+    "pytest_cov",
+    "timeout",
+    "rerunfailures",
+    "flaky",
+)
 #: Options whose effect belongs to the calling process, and what they are in a rank.
 RANK_OPTIONS: dict[str, Any] = {
     "usepdb": False,
@@ -88,7 +95,9 @@ _REPORT_KEYS = ("nodeid", "location", "keywords", "outcome", "longrepr", "when",
 
 @dataclass
 class ItemRun:
-    """One test's protocol in this rank, for :func:`cpq.rank.runtime.run_task`."""
+    """What ran in this rank on the user's behalf — one test's protocol, or a launched
+    script (:mod:`cpq.rank.script`) — in the terms :func:`cpq.rank.runtime.run_task`
+    reports: an outcome for the broker's table, pytest's reports, a value."""
 
     outcome: str  # passed | failed | skipped, for the broker's table
     reports: list[dict[str, Any]] = field(default_factory=list)
@@ -97,6 +106,8 @@ class ItemRun:
     error: tuple[str, str, str] | None = None
     #: The failing exception (its frames), for a post-mortem (``pytest --pdb``).
     failure: BaseException | None = None
+    #: What the rank reports as its value (a launch's exit code, :mod:`cpq.rank.script`).
+    value: Any = None
 
 
 #: The phase of the test running now ("" between tests), for a deadline's stack report.

@@ -21,14 +21,19 @@ Installed once per rank (:func:`install`), after the warm group exists.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger("cpq.rank")
 
 _installed = False
 _warm: Any = None
+#: In a launched script's window (:func:`as_fresh_worker`): the default group is hidden
+#: until the script initialises it, as in a fresh worker.
+_hidden = False
 
 
 def install() -> None:
@@ -42,12 +47,19 @@ def install() -> None:
     _installed = True
     _warm = c10d._get_default_group()
     real_init, real_destroy = c10d.init_process_group, c10d.destroy_process_group
+    real_is_initialized = c10d.is_initialized
+
+    @functools.wraps(real_is_initialized)
+    def is_initialized() -> bool:
+        return False if _hidden else bool(real_is_initialized())
 
     @functools.wraps(real_init)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-        if not c10d.is_initialized():
+        global _hidden
+        if not real_is_initialized():
             real_init(backend, *args, **kwargs)
             return
+        _hidden = False  # the script's own group is the warm one from now on
         asked = str(backend or kwargs.get("backend") or "").lower()
         have = str(c10d.get_backend()).lower()
         if asked and asked not in have and not (asked == "cpu:gloo,cuda:nccl"):
@@ -58,30 +70,51 @@ def install() -> None:
 
     @functools.wraps(real_destroy)
     def destroy_process_group(group: Any = None) -> None:
-        if group is None or group is c10d._get_default_group():
-            return  # the warm default group stays for the next task
+        global _hidden
+        if group is None or group is _warm:
+            if _hidden:  # a fresh worker's destroy before its init raises; so does this
+                raise ValueError(
+                    "Default process group has not been initialized, please make sure to "
+                    "call init_process_group."
+                )
+            _hidden = _in_script  # left warm; a script sees it destroyed, as it asked
+            return
         real_destroy(group)
 
     for module in (dist, c10d):
         module.init_process_group = init_process_group  # type: ignore[attr-defined]
         module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+        module.is_initialized = is_initialized  # type: ignore[attr-defined]
+
+
+_in_script = False
+
+
+@contextlib.contextmanager
+def as_fresh_worker() -> Iterator[None]:
+    """While a launched script runs: ``is_initialized()`` is False until it initialises."""
+    global _hidden, _in_script
+    _hidden = _in_script = True
+    try:
+        yield
+    finally:
+        _hidden = _in_script = False
 
 
 def made_groups() -> list[Any]:
     """The process groups that exist now besides the warm default group."""
     from torch.distributed import distributed_c10d as c10d
 
-    if not c10d.is_initialized():
+    if _warm is None:
         return []
-    default = c10d._get_default_group()
-    return [pg for pg in list(c10d._world.pg_map) if pg is not default]
+    return [pg for pg in list(c10d._world.pg_map) if pg is not _warm]
 
 
 def destroy_made(before: set[int]) -> None:
     """Destroy the groups made since ``before`` (ids of :func:`made_groups` then)."""
     from torch.distributed import distributed_c10d as c10d
 
-    real_destroy = c10d.destroy_process_group.__wrapped__  # type: ignore[attr-defined]
+    real_destroy = getattr(c10d.destroy_process_group, "__wrapped__", c10d.destroy_process_group)
     for pg in made_groups():
         if id(pg) not in before:
             try:

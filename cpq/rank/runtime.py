@@ -28,7 +28,16 @@ import zmq
 
 from cpq import protocol
 from cpq.osutil import die_with_parent
-from cpq.rank import cancel, failure_report, importenv, items, leases, pdb_relay, pgroups
+from cpq.rank import (
+    cancel,
+    failure_report,
+    importenv,
+    items,
+    leases,
+    pdb_relay,
+    pgroups,
+    script,
+)
 from cpq.rank.capture import FdCapture
 from cpq.rank.coverage_task import measured
 from cpq.rank.freshness import CodeWatch
@@ -164,6 +173,9 @@ def _unfit_reason() -> str:
     that have nothing to do with it (an ``import`` or an ``open`` fails); the broker
     recycles the group instead. Costs one directory listing (~15 us) per task.
     """
+    if script.leftover:  # a launched script left threads behind: not a fresh worker any more
+        why, script.leftover = script.leftover, ""
+        return why
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     try:
         used = len(os.listdir("/proc/self/fd"))
@@ -221,7 +233,7 @@ def run_task(
                     reports, warnings = value.reports, value.warnings
                     if task.debug and outcome == "failed" and value.failure is not None:
                         pdb_relay.keep(value.failure)  # its frames, for pytest --pdb
-                    value = None
+                    value = value.value
                 else:
                     _check_return_value(task.target, value)
             except BaseException as exc:  # the task's failure is data, not our crash

@@ -1,0 +1,125 @@
+"""Warm torchrun launches: a script run as ``__main__`` on every rank, as torchrun would.
+
+``cpq torchrun [options] SCRIPT [ARGS]`` (``cpq.client.torchrun``) sends ``TARGET`` with the
+script (or ``-m`` module), its arguments and the caller's working directory; every rank of
+a warm group then does what a fresh torchrun worker would:
+
+* ``sys.argv`` is the script and its arguments, ``sys.path[0]`` the script's folder (the
+  working directory for ``-m``), the working directory and environment are the caller's
+  (the rank's reset applied them), and the worker variables torchrun's agent sets are there
+  (the rank is a torchrun worker: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``, the
+  ``TORCHELASTIC_*`` ones, with this run's id and an error file for ``@record``);
+* ``dist.is_initialized()`` is False until the script initialises the default group, which
+  then joins the warm one; its ``destroy_process_group()`` leaves it warm; the groups it made
+  are destroyed after it (:mod:`cpq.rank.pgroups`);
+* the script runs in a fresh module namespace (``runpy``); ``sys.exit(n)`` ends the rank with
+  ``n``, an exception with 1 and its traceback on stderr, as the interpreter would.
+
+The rank reports the exit code as its value; a non-zero one is a failed rank (the broker's
+table), never retried. State a script leaves that the next launch would see (threads still
+running) makes the rank unfit: the group is recycled (:func:`leftover`).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any
+
+from cpq.rank.items import ItemRun
+
+CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+TARGET = "cpq.rank.script:run_script"
+
+#: Why this rank must not serve another launch ("" when it may): read after the task.
+leftover = ""
+
+
+def run_script(
+    argv: list[str], module: bool, cwd: str, run_id: str, nproc: int, local_rank_arg: bool = False
+) -> ItemRun:
+    """Run ``argv[0]`` (a path, or a module name when ``module``) with ``argv[1:]``;
+    ``local_rank_arg``: the script gets ``--local-rank=<r>`` first, as
+    ``torch.distributed.launch`` passes it."""
+    global leftover
+    from cpq.rank import pgroups
+
+    os.chdir(cwd)
+    error_file = os.path.join(tempfile.mkdtemp(prefix="cpq-torchrun-"), "error.json")
+    os.environ.update(
+        {
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "GROUP_RANK": "0",
+            "ROLE_NAME": "default",
+            "ROLE_RANK": os.environ.get("RANK", "0"),
+            "ROLE_WORLD_SIZE": os.environ.get("WORLD_SIZE", str(nproc)),
+            "GROUP_WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": str(nproc),
+        }
+    )
+    threads_before = set(threading.enumerate())
+    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else ""
+    sys.argv = list(argv)
+    if local_rank_arg:
+        sys.argv.insert(1, f"--local-rank={os.environ.get('LOCAL_RANK', '0')}")
+    sys.path.insert(0, cwd if module else os.path.dirname(os.path.abspath(argv[0])))
+    groups_before = {id(pg) for pg in pgroups.made_groups()}
+    code, text = 0, ""
+    with pgroups.as_fresh_worker():
+        try:
+            if module:
+                runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exc:
+            code, text = _exit_code(exc)
+        except BaseException as exc:  # what the interpreter prints, and its status
+            text = "".join(traceback.format_exception(type(exc), exc, _script_tb(exc)))
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            code = 1
+        finally:
+            sys.argv = saved_argv
+            if sys.path and sys.path[0] != saved_path0:
+                del sys.path[0]
+    pgroups.destroy_made(groups_before)  # what the script made and left
+    alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+    leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
+    if code == 0:
+        return ItemRun("passed", value=0)
+    line = f"exit code {code}"
+    return ItemRun("failed", error=("SystemExit", line, text[-8000:]), value=code)
+
+
+def _script_tb(exc: BaseException) -> Any:
+    """``exc``'s traceback from the script's first frame on (cpq's and runpy's cut), as
+    the interpreter's own report of an uncaught exception starts."""
+    tb = exc.__traceback__
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename.startswith(CPQ_DIR)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy>")
+        or tb.tb_frame.f_code.co_filename == runpy.__file__
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def _exit_code(exc: SystemExit) -> tuple[int, str]:
+    """``sys.exit``'s status as the interpreter turns it into one: None 0, an int itself,
+    anything else printed to stderr and 1."""
+    arg: Any = exc.code
+    if arg is None:
+        return 0, ""
+    if isinstance(arg, int):
+        return arg, ""
+    sys.stderr.write(f"{arg}\n")
+    sys.stderr.flush()
+    return 1, str(arg)

@@ -1,0 +1,248 @@
+"""Warm torchrun launches: a suite whose tests launch ``torchrun SCRIPT`` per case gives the
+same verdicts under ``pytest --cpq-torchrun`` as without it, cold and warm; ``cpq torchrun``
+from a shell gives torchrun's exit status and output. Each behaviour is a difference against
+the real torchrun: real broker, real torchrun groups, real gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HELPER = """
+import os
+
+MODE = os.environ.get("TRAIN_MODE", "a")  # read once, at import: binds a warm group
+"""
+
+TRAIN = """
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import helper
+
+assert not dist.is_initialized(), "a fresh worker starts without a process group"
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(1) * (rank + 1)
+dist.all_reduce(t)
+out = sys.argv[1]
+with open(os.path.join(out, f"out-{rank}.txt"), "w") as handle:
+    handle.write(str(t.item()))
+print(f"RESULT {t.item()} MODE {helper.MODE} RANK {os.environ['RANK']} OF {os.environ['WORLD_SIZE']}")
+if "--exit" in sys.argv and rank == 1:
+    sys.exit(3)
+if "--raise" in sys.argv and rank == 0:
+    raise ValueError("rank zero broke")
+if "--hang" in sys.argv and rank == 1:
+    time.sleep(30)
+dist.destroy_process_group()
+"""
+
+MODULE = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print(f"MODULE RANK {dist.get_rank()}")
+dist.destroy_process_group()
+"""
+
+CHECKPOINT = """
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+what, folder = sys.argv[1], sys.argv[2]
+if what == "save":  # one shard per rank
+    torch.save(torch.full((2,), float(rank)), os.path.join(folder, f"shard-{rank}.pt"))
+else:  # every rank loads all the shards the bigger world wrote
+    shards = sorted(f for f in os.listdir(folder) if f.startswith("shard-"))
+    total = sum(torch.load(os.path.join(folder, f)).sum().item() for f in shards)
+    assert len(shards) == 4 and total == 12.0, (shards, total)
+    print(f"LOADED {len(shards)} on {size}")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+LAUNCHES = """
+import os
+import subprocess
+import sys
+
+import pytest
+
+TORCHRUN = ["torchrun"]
+PYTHON_M = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def launch(args, how=TORCHRUN, timeout=120, env=None):
+    return subprocess.run(
+        [*how, *args], capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+@pytest.mark.parametrize("how", [TORCHRUN, PYTHON_M], ids=["torchrun", "python-m"])
+def test_passes_and_writes(tmp_path, how):
+    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)], how)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\\n")) == [
+        "", "RESULT 3.0 MODE a RANK 0 OF 2", "RESULT 3.0 MODE a RANK 1 OF 2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out-0.txt", "out-1.txt"]
+
+
+def test_exit_code_of_one_rank(tmp_path):
+    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--exit"])
+    assert done.returncode == 1
+    assert "train.py FAILED" in done.stderr
+
+
+def test_exception_traceback(tmp_path):
+    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--raise"])
+    assert done.returncode == 1
+    assert "ValueError: rank zero broke" in done.stderr
+    assert 'File "train.py"' in done.stderr or "train.py" in done.stderr
+
+
+def test_module(tmp_path):
+    done = launch(["--nproc-per-node", "2", "-m", "pkg.mod"])
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == sorted("MODULE RANK 0 MODULE RANK 1".split())
+
+
+def test_hang_ended_by_timeout_then_a_launch_passes(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--hang"], timeout=8)
+    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)])
+    assert done.returncode == 0, done.stderr
+
+
+def test_variable_read_at_import_follows_each_launch(tmp_path):
+    first = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)], env={"TRAIN_MODE": "b"})
+    second = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)])
+    assert "MODE b" in first.stdout and "MODE a" not in first.stdout
+    assert "MODE a" in second.stdout and "MODE b" not in second.stdout
+
+
+def test_save_with_four_load_with_two(tmp_path):
+    saved = launch(["--nproc-per-node", "4", "ckpt.py", "save", str(tmp_path)])
+    assert saved.returncode == 0, saved.stderr
+    loaded = launch(["--nproc-per-node", "2", "ckpt.py", "load", str(tmp_path)])
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.count("LOADED 4 on 2") == 2
+"""
+
+VERDICTS = """
+import json
+import os
+
+outcomes = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.failed or report.when == "call":
+        outcomes[report.nodeid] = report.outcome if report.when == "call" else "error"
+
+
+def pytest_sessionfinish(session):
+    with open(os.environ["VERDICTS_OUT"], "w") as handle:
+        json.dump(outcomes, handle)
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.delenv("CPQ_TORCHRUN", raising=False)
+    monkeypatch.delenv("TRAIN_MODE", raising=False)
+    pytester.makepyfile(
+        helper=HELPER, train=TRAIN, ckpt=CHECKPOINT, test_launches=LAUNCHES, verdicts=VERDICTS
+    )
+    (pytester.path / "pkg").mkdir()
+    (pytester.path / "pkg" / "__init__.py").write_text("")
+    (pytester.path / "pkg" / "mod.py").write_text(MODULE)
+    return pytester.path
+
+
+def _session(project: Path, name: str, *args: str) -> tuple[dict[str, str], str]:
+    out = project / f"verdicts-{name}.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "verdicts",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            *args,
+        ],
+        cwd=project,
+        env=dict(os.environ, VERDICTS_OUT=str(out)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return json.loads(out.read_text()), done.stdout + done.stderr
+
+
+def test_a_suite_of_launches_gives_the_same_verdicts_warm(project: Path) -> None:
+    plain, plain_out = _session(project, "plain")
+    assert set(plain.values()) == {"passed"} and len(plain) == 8, plain_out[-3000:]
+    for name in ("cold", "warm"):
+        got, out = _session(project, name, "--cpq-torchrun")
+        assert got == plain, f"{name}: {got} != {plain}\n{out[-4000:]}"
+    # The warm session's launches ran on warm groups: no real torchrun said it ran.
+    assert "running the real torchrun" not in out
+
+
+def test_cpq_torchrun_from_a_shell_matches_torchrun(project: Path, tmp_path: Path) -> None:
+    def both(*args: str) -> tuple[subprocess.CompletedProcess[str], ...]:
+        runs = []
+        for command in (["torchrun"], [sys.executable, "-m", "cpq", "torchrun"]):
+            out = tmp_path / command[-1]
+            out.mkdir(exist_ok=True)
+            runs.append(
+                subprocess.run(
+                    [*command, *[a.replace("OUT", str(out)) for a in args]],
+                    cwd=project,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            )
+        return tuple(runs)
+
+    real, warm = both("--nproc-per-node", "2", "train.py", "OUT", "--raise")
+    assert real.returncode == warm.returncode == 1
+    assert sorted(real.stdout.splitlines()) == sorted(warm.stdout.splitlines())
+    # the rank's own traceback as the interpreter prints it, the script's frame first
+    trace = re.compile(r'Traceback \(most recent call last\):\n  File "train.py"')
+    assert trace.search(warm.stderr), warm.stderr
+    assert "train.py FAILED" in real.stderr and "train.py FAILED" in warm.stderr
+    real, warm = both("--nproc-per-node", "2", "--tee", "3", "train.py", "OUT")
+    assert real.returncode == warm.returncode == 0
+    assert sorted(real.stdout.splitlines()) == sorted(warm.stdout.splitlines())
+    # what cpq cannot make faithful runs the real torchrun, said once
+    real, warm = both("--no-python", "--nproc-per-node", "1", "true")
+    assert real.returncode == warm.returncode == 0
+    assert warm.stderr.count("cpq torchrun: running the real torchrun: --no-python") == 1

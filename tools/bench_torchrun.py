@@ -1,0 +1,101 @@
+"""Warm torchrun launches against real ones, side by side in one run (issue 28).
+
+N launches of a small script (import torch, init the default group, one all_reduce,
+destroy) by the real ``torchrun`` and by ``cpq torchrun`` on a private broker, alternated.
+Each launch's wall time is taken around the launching process (what a test that calls
+``subprocess.run`` waits); the script prints its own time (from its first line to its
+last, on each rank), so what a launch costs beyond the script's own work is
+``wall - the slowest rank's script time``.
+
+    python tools/bench_torchrun.py [--launches 10] [--nproc 2] [--gpus none|auto]
+        [--script PATH]   # another script (it must print SCRIPT_S <seconds>)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchkit import PrivateBroker, child_env
+
+SCRIPT = """
+import time
+started = time.perf_counter()
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cuda":
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+t = torch.ones(1, device=device)
+dist.all_reduce(t)
+assert t.item() == dist.get_world_size()
+dist.destroy_process_group()
+print(f"SCRIPT_S {time.perf_counter() - started:.4f}")
+"""
+
+
+def launch(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
+    """(wall, the slowest rank's own script time) of one launch."""
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{command} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    own = [float(m) for m in re.findall(r"SCRIPT_S ([0-9.]+)", done.stdout)]
+    return wall, max(own) if own else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--launches", type=int, default=10)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--gpus", default="none")
+    parser.add_argument("--script", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))
+    script = args.script.resolve() if args.script else work / "script.py"
+    if args.script is None:
+        script.write_text(SCRIPT)
+    env = child_env()
+    broker = PrivateBroker(work / "state", work / "logs", args.gpus, env)
+    cpq_env = dict(broker.env, CPQ_AUTOSTART="0")
+    real = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
+    warm = [sys.executable, "-m", "cpq", "torchrun", f"--nproc-per-node={args.nproc}"]
+    results: dict[str, list[tuple[float, float]]] = {"torchrun": [], "cpq torchrun": []}
+    try:
+        launch([*warm, str(script)], script.parent, cpq_env)  # the group starts once
+        for _ in range(args.launches):
+            results["torchrun"].append(launch([*real, str(script)], script.parent, env))
+            results["cpq torchrun"].append(launch([*warm, str(script)], script.parent, cpq_env))
+    finally:
+        broker.stop()
+    print(
+        f"{args.launches} launches each, --nproc-per-node {args.nproc}, gpus={args.gpus}, "
+        f"script {script.name}"
+    )
+    print(
+        "| launcher | wall per launch, median (s) | script's own time (s) | beyond the script (s) |"
+    )
+    print("| --- | --- | --- | --- |")
+    for name, runs in results.items():
+        wall = statistics.median(w for w, _ in runs)
+        own = statistics.median(o for _, o in runs)
+        beyond = statistics.median(w - o for w, o in runs)
+        print(f"| {name} | {wall:.3f} | {own:.3f} | {beyond:.3f} |")
+    print(f"(broker start {broker.start_s:.1f} s, not counted; logs in {work})")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()
