@@ -43,7 +43,8 @@ def tree_env(tree: Path, state: Path) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("CPQ_ENDPOINT", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER"):
         env.pop(key, None)
-    env["PYTHONPATH"] = str(tree)
+    given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), *given])  # the tree's cpq first
     env["CPQ_STATE_DIR"] = str(state)
     env["CPQ_ENDPOINT"] = f"ipc://{state / 'broker.sock'}"
     env["CPQ_AUTOSTART"] = "0"
