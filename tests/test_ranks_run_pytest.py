@@ -148,6 +148,28 @@ def test_param_ids(n):
     assert n in (1, 2)
 
 
+MADE = []
+
+
+@pytest.fixture(scope="module")
+def made_once():
+    MADE.append(1)  # module state: a fresh process starts it empty
+    return len(MADE)
+
+
+def test_module_fixture_once_a(made_once):
+    assert made_once == 1
+
+
+def test_module_fixture_once_b(made_once):
+    assert made_once == 1
+
+
+@pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) < 2, reason="needs two ranks")
+def test_skipif_reads_the_ranks_world_size():
+    assert dist.get_world_size() == 2
+
+
 class TestSetupMethod:
     def setup_method(self):
         self.rank = dist.get_rank()
@@ -269,7 +291,8 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
     assert reference["test_plain.py::test_forgot_to_broadcast_weights"] == "failed"
     assert reference["test_plain.py::test_ini_filter_makes_deprecation_an_error"] == "failed"
     assert reference["test_plain.py::test_tmp_path"] == "passed"
-    assert len(reference) == 22, reference
+    assert reference["test_plain.py::test_skipif_reads_the_ranks_world_size"] == "passed"
+    assert len(reference) == 25, reference
 
     for session in ("cold", "warm"):
         run = _run(
@@ -288,7 +311,7 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
         )
         # pytest's own assertion detail, from the rank that failed
         assert "At index 1 diff: 2 != 3" in run.stdout
-        assert "cpq: 22 task(s)" in run.stdout
+        assert "cpq: 25 task(s)" in run.stdout
 
     # A module marker alone (no --cpq-world-size): the marked tests, the same verdicts.
     run = _run(

@@ -41,7 +41,8 @@ dist.all_reduce(t)
 out = sys.argv[1]
 with open(os.path.join(out, f"out-{rank}.txt"), "w") as handle:
     handle.write(str(t.item()))
-print(f"RESULT {t.item()} MODE {helper.MODE} RANK {os.environ['RANK']} OF {os.environ['WORLD_SIZE']}")
+where = f"RANK {os.environ['RANK']} OF {os.environ['WORLD_SIZE']}"
+print(f"RESULT {t.item()} MODE {helper.MODE} {where}")
 if "--exit" in sys.argv and rank == 1:
     sys.exit(3)
 if "--raise" in sys.argv and rank == 0:

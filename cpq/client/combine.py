@@ -46,6 +46,9 @@ def phases(
         phases_of: dict[str, pytest.TestReport] = {r.when: r for r in decoded if r is not None}
         if "setup" not in phases_of or len(phases_of) != len(decoded):
             return None
+        setup = phases_of["setup"]
+        if setup.passed and "call" not in phases_of and not _setup_only(config):
+            return None  # a rank whose setup passed ran the test: its call report is missing
         by_rank[rank.rank] = phases_of
     combined: dict[str, pytest.TestReport] = {}
     for when in PHASES:
@@ -53,12 +56,8 @@ def phases(
         if present:
             combined[when] = combine_phase(present, world_size, result.group_id)
     if result.outcome == "failed" and not any(r.failed for r in combined.values()):
-        xfailed = all(
-            hasattr(r, "wasxfail")
-            for rs in by_rank.values()
-            for r in rs.values()
-            if r.when == "call"
-        )
+        calls = [rs["call"] for rs in by_rank.values() if "call" in rs]
+        xfailed = bool(calls) and all(hasattr(r, "wasxfail") for r in calls)
         if not xfailed:
             last = combined["call" if "call" in combined else "setup"]
             last.outcome = "failed"
@@ -114,6 +113,10 @@ def combine_phase(
                 properties.append(tuple(pair))  # type: ignore[arg-type]
     base.user_properties = properties
     return base
+
+
+def _setup_only(config: pytest.Config) -> bool:
+    return bool(config.getoption("setuponly", False) or config.getoption("setupplan", False))
 
 
 def add_section(report: pytest.TestReport, name: str, text: str) -> None:

@@ -146,10 +146,27 @@ def prepare(
     item.stash[RUN_KEY] = _Run(submit, debugger, kwargs, placement.world_size)
     item.setup = functools.partial(_setup, item)  # type: ignore[method-assign]
     item.runtest = functools.partial(_call, item)  # type: ignore[method-assign]
+    # skip, skipif and xfail are the ranks' to evaluate (a condition may read RANK or
+    # WORLD_SIZE, as it does in a fresh run): this process's skipping plugin sees none.
+    every = item.iter_markers
+
+    def iter_markers(name: str | None = None) -> Any:
+        return (mark for mark in every(name) if mark.name not in RANKS_DECIDE)
+
+    item.iter_markers = iter_markers  # type: ignore[method-assign]
+
+
+#: Marks whose conditions the ranks evaluate (``torchrun -m pytest`` evaluates them there).
+RANKS_DECIDE = frozenset({"skip", "skipif", "xfail"})
+
+
+def on_ranks(item: pytest.Item) -> bool:
+    """Whether ``item`` is running on the ranks now (for pytest-timeout's timer)."""
+    return RUN_KEY in item.stash
 
 
 def restore(item: pytest.Item) -> None:
-    for name in ("setup", "runtest"):
+    for name in ("setup", "runtest", "iter_markers"):
         item.__dict__.pop(name, None)
     if RUN_KEY in item.stash:
         del item.stash[RUN_KEY]

@@ -9,8 +9,8 @@ start:
 * ``sitecustomize.py`` there is a start-up hook every Python child runs: an interpreter
   started as ``python -m torch.distributed.run`` (or ``torch.distributed.launch``, whose
   ``--local-rank`` argument each rank then gets) becomes ``python -m cpq torchrun`` with the
-  same arguments; any other interpreter pays one list lookup, then the hook hands over to
-  the ``sitecustomize`` it shadows, if there is one.
+  same arguments; any other interpreter pays a look at its command line and a search of
+  ``sys.path`` for the ``sitecustomize`` this one shadows, which it then runs.
 
 ``cpq torchrun`` itself (:mod:`cpq.client.torchrun`) runs what it cannot make faithful with
 the real torchrun, with ``CPQ_TORCHRUN_REAL=1`` so the hook lets that one through.
@@ -59,6 +59,7 @@ def _cpq_route():
 
 def _cpq_chain():
     """Run the sitecustomize this one shadows, as Python would have."""
+    import importlib.machinery
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))

@@ -83,8 +83,15 @@ class Launch:
 
 
 def parse(args: Sequence[str]) -> Launch:
-    """Split ``args`` into torchrun's options and the script with its arguments."""
+    """Split ``args`` into torchrun's options and the script with its arguments; an option
+    not given takes torchrun's ``PET_<OPTION>`` variable, as torchrun's parser does."""
     launch = Launch()
+    for name in _VALUED:
+        value = os.environ.get("PET_" + name.upper().replace("-", "_"))
+        if value is not None and len(name) > 1:
+            launch.options[name] = value
+    if os.environ.get("PET_STANDALONE"):
+        launch.flags.add("standalone")
     i = 0
     while i < len(args):
         arg = args[i]
@@ -178,7 +185,11 @@ def main(args: Sequence[str]) -> int:
     try:
         if endpoint.startswith("ipc://") and os.environ.get("CPQ_AUTOSTART") != "0":
             ensure_broker(endpoint)
-        with Client(endpoint, name="cpq-torchrun") as client:
+        client = Client(endpoint, name="cpq-torchrun")
+    except (BrokerUnavailable, OSError, RuntimeError) as exc:
+        return real_torchrun(args, f"no broker: {exc}")
+    try:  # sent: from here on the script may have run, so never run it again elsewhere
+        with client:
             result = client.submit(
                 TARGET,
                 nproc,
@@ -188,7 +199,8 @@ def main(args: Sequence[str]) -> int:
                 test_id="torchrun " + " ".join(launch.argv)[:200],
             )
     except (BrokerUnavailable, OSError, RuntimeError) as exc:
-        return real_torchrun(args, f"no broker: {exc}")
+        sys.stderr.write(f"cpq torchrun: the broker went away during the launch: {exc}\n")
+        return 1
     _write_output(launch, result)
     return _exit_status(launch, result)
 

@@ -75,9 +75,6 @@ RANK_OPTIONS: dict[str, Any] = {
     "deselect": [],
     "collectonly": False,
     "strict_markers": False,  # the caller checked its markers at collection
-    "setupshow": False,
-    "setuponly": False,
-    "setupplan": False,
     "showfixtures": False,
     "show_fixtures_per_test": False,
     "markers": False,
@@ -85,7 +82,6 @@ RANK_OPTIONS: dict[str, Any] = {
     "version": 0,
     "pastebin": None,
     "durations": None,
-    "verbose": 0,
 }
 #: Bound on each captured section a rank sends back (characters).
 MAX_SECTION_CHARS = 256 * 1024
@@ -200,7 +196,7 @@ def _shared_chain(item: Any, next_nodeid: str | None) -> list[Any] | None:
     return [
         node
         for node in item.listchain()
-        if not node.nodeid
+        if node.nodeid in ("", ".")  # the session, the rootdir's Dir (pytest 8.1+)
         or next_nodeid.startswith(node.nodeid + "::")
         or next_nodeid.startswith(node.nodeid + "/")
     ]
@@ -246,7 +242,6 @@ class RankSession:
         self.config.hook.pytest_sessionstart(session=self.session)
         self.items: dict[str, Any] = {}
         self.collected: set[str] = set()
-        self.last: Any = None
 
     def _silence_terminal(self) -> None:
         """The terminal reporter stays (assertion explanations and plugins ask it for its
@@ -282,20 +277,24 @@ class RankSession:
     def run(self, item: Any, next_nodeid: str | None) -> None:
         """Run ``item``'s protocol, torn down towards ``next_nodeid`` (the caller's next)."""
         state = self.session._setupstate
-        if self.last is not None and self.last is not item:
-            # Left standing by a test whose next one ran elsewhere: end it before this one.
-            stand_in: Any = _Next(_shared_chain(self.last, item.nodeid) or [])
+        if state.stack:
+            # Left standing by a test whose next one ran elsewhere, or one of another
+            # module (each module's collection has nodes of its own): end what this test
+            # does not share, by identity, before it starts.
+            mine = item.listchain()
+            shared = [node for node in state.stack if node in mine]
+            stand_in: Any = _Next(shared)
             state.teardown_exact(stand_in)
-        self.last = item
         chain = _shared_chain(item, next_nodeid)
         nextitem = None if chain is None else _Next(chain)
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
-        if nextitem is None:
-            self.last = None
 
     def close(self) -> None:
         """Finish the session: fixtures still standing are torn down, plugins unconfigured."""
         os.chdir(self.dir)
+        conftests = getattr(self.config.pluginmanager, "_conftest_plugins", ())
+        for module in list(conftests):  # imported again by the next session, as test modules
+            _note_test_module(module)
         try:
             self.config.hook.pytest_sessionfinish(session=self.session, exitstatus=0)
         finally:
@@ -333,11 +332,13 @@ def _note_test_module(module: Any) -> None:
     freshness.reexecuted.add(module.__name__)
 
 
-def _forget_changed_test_modules() -> None:
-    for name, (path, stamp) in list(_test_modules.items()):
-        if _stamp(path) != stamp:
-            sys.modules.pop(name, None)
-            del _test_modules[name]
+def _forget_test_modules() -> None:
+    """A new calling session imports its test modules and conftest files again, as a fresh
+    process does: their module-level state (a counter, a cache) starts anew, and an edited
+    test module is read again. Libraries and helpers stay loaded (the group's warmth)."""
+    for name in list(_test_modules):
+        sys.modules.pop(name, None)
+        del _test_modules[name]
 
 
 def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
@@ -351,7 +352,7 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
 
             logging.getLogger("cpq.rank").exception("finishing the previous session failed")
     if _current is None:
-        _forget_changed_test_modules()  # as a fresh process would import them
+        _forget_test_modules()  # as a fresh process would import them
         _current = RankSession(key, setup, rank)
     os.chdir(_current.dir)
     return _current

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +42,6 @@ def install() -> None:
     global _installed, _warm
     if _installed:
         return
-    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     _installed = True
@@ -81,10 +81,21 @@ def install() -> None:
             return
         real_destroy(group)
 
-    for module in (dist, c10d):
-        module.init_process_group = init_process_group  # type: ignore[attr-defined]
-        module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
-        module.is_initialized = is_initialized  # type: ignore[attr-defined]
+    wrapped = {
+        "init_process_group": (real_init, init_process_group),
+        "destroy_process_group": (real_destroy, destroy_process_group),
+        "is_initialized": (real_is_initialized, is_initialized),
+    }
+    # Every torch.distributed module that bound the originals at its import (device_mesh
+    # does, `from ... import is_initialized`); modules imported later bind the wrappers.
+    for name, module in list(sys.modules.items()):
+        if module is None or not (
+            name == "torch.distributed" or name.startswith("torch.distributed.")
+        ):
+            continue
+        for attr, (real, wrapper) in wrapped.items():
+            if getattr(module, attr, None) is real:
+                setattr(module, attr, wrapper)
 
 
 _in_script = False

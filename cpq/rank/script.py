@@ -22,12 +22,16 @@ running) makes the rank unfit: the group is recycled (:func:`leftover`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import site
 import sys
+import sysconfig
 import tempfile
 import threading
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from cpq.rank.items import ItemRun
@@ -66,14 +70,15 @@ def run_script(
         }
     )
     threads_before = set(threading.enumerate())
-    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else ""
+    modules_before = set(sys.modules)
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = list(argv)
     if local_rank_arg:
         sys.argv.insert(1, f"--local-rank={os.environ.get('LOCAL_RANK', '0')}")
     sys.path.insert(0, cwd if module else os.path.dirname(os.path.abspath(argv[0])))
     groups_before = {id(pg) for pg in pgroups.made_groups()}
     code, text = 0, ""
-    with pgroups.as_fresh_worker():
+    with pgroups.as_fresh_worker(), _exit_raises():
         try:
             if module:
                 runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
@@ -81,6 +86,8 @@ def run_script(
                 runpy.run_path(argv[0], run_name="__main__")
         except SystemExit as exc:
             code, text = _exit_code(exc)
+        except _HardExit as exc:  # os._exit(n): the worker's status, without its death
+            code = exc.code
         except BaseException as exc:  # what the interpreter prints, and its status
             text = "".join(traceback.format_exception(type(exc), exc, _script_tb(exc)))
             sys.stderr.write(text)
@@ -88,8 +95,8 @@ def run_script(
             code = 1
         finally:
             sys.argv = saved_argv
-            if sys.path and sys.path[0] != saved_path0:
-                del sys.path[0]
+            sys.path[:] = saved_path
+            _forget_user_modules(modules_before)
     pgroups.destroy_made(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
     leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
@@ -97,6 +104,51 @@ def run_script(
         return ItemRun("passed", value=0)
     line = f"exit code {code}"
     return ItemRun("failed", error=("SystemExit", line, text[-8000:]), value=code)
+
+
+class _HardExit(BaseException):
+    """``os._exit(code)`` called by the script: ends the script, not the warm rank."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exit_raises() -> Iterator[None]:
+    real = os._exit
+
+    def hard_exit(code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise _HardExit(int(code))
+
+    os._exit = hard_exit  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    found = {sys.prefix, sys.base_prefix, paths["stdlib"], paths["purelib"], paths["platlib"]}
+    found.update(site.getsitepackages())
+    return tuple(os.path.realpath(p) + os.sep for p in found if p)
+
+
+def _forget_user_modules(before: set[str]) -> None:
+    """Drop the modules the script imported from the user's folders (its own ``utils``, its
+    package): the next launch, from another folder maybe, imports its own, as a fresh
+    worker would. Libraries stay loaded: that is the warmth."""
+    libraries = _library_prefixes()
+    for name in set(sys.modules) - before:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if not isinstance(path, str):
+            continue
+        real = os.path.realpath(path)
+        if not real.startswith(libraries) and not real.startswith(CPQ_DIR):
+            del sys.modules[name]
 
 
 def _script_tb(exc: BaseException) -> Any:
