@@ -281,6 +281,17 @@ class RankStacks(Message):
     phase: str = ""
 
 
+@dataclass
+class RankBegun(Message):
+    """A rank has built its pytest session and collected the test's module and now starts
+    the test's protocol (feature ``rank-pytest``): the deadline counts from here, as
+    pytest-timeout's does in a fresh run, not from the session's build."""
+
+    KIND: ClassVar[str] = "rank_begun"
+    task_id: str
+    rank: int
+
+
 # ---- broker -> rank
 
 
@@ -503,6 +514,7 @@ FEATURE_KINDS: dict[str, frozenset[str]] = {
     "task-waiting": frozenset({"waiting"}),
     "broker-closing": frozenset({"closing"}),
     "pdb-relay": frozenset({"debug_attach", "debug_line", "debug_output"}),
+    "rank-pytest": frozenset({"rank_begun"}),
 }
 ALL_FEATURES = frozenset(FEATURE_FIELDS) | frozenset(FEATURE_KINDS)
 

@@ -284,6 +284,14 @@ class Tasks:
         task.stack_phases.clear()
         task.coverage.clear()
 
+    def rank_begun(self, group: Group, message: protocol.RankBegun) -> None:
+        """A rank starts the test's own protocol: its deadline runs from now (the rank's
+        pytest session build and collection are not the test's time)."""
+        task = group.task
+        if task is None or task.submit.task_id != message.task_id or task.stacks_until:
+            return
+        task.deadline = max(task.deadline, self.clock.monotonic() + task.timeout_s)
+
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
         task = group.task
         if task is None or task.submit.task_id != message.task_id or task.stacks_until is None:

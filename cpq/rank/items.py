@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,6 +309,8 @@ class RankSession:
 
 
 _current: RankSession | None = None
+#: Set by the runtime for each task: tells the broker the test's own protocol begins.
+began: Callable[[], None] | None = None
 #: Test modules pytest imported here: name -> (file, its stamp then).
 _test_modules: dict[str, tuple[str, tuple[int, int]]] = {}
 
@@ -383,6 +386,8 @@ def run_item(
     if isinstance(item, str):
         return _not_collected(current, nodeid, item)
     _fresh_generators()
+    if began is not None:
+        began()  # the deadline runs from here (cpq.rank.runtime sends it)
     current.run(item, next)
     return _item_run(current, rank)
 

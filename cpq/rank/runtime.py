@@ -19,6 +19,7 @@ import resource
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -309,6 +310,25 @@ def _user_tb(exc: BaseException) -> TracebackType | None:
     return tb
 
 
+def _began_sender(
+    link: Link, task_id: str, rank: int, features: frozenset[str]
+) -> Callable[[], None] | None:
+    """What tells the broker that a test's own protocol begins (None: a broker that cannot
+    read it). The main thread takes the socket back from the watchdog for the one frame."""
+    if "rank-pytest" not in features:
+        return None
+    frame = protocol.encode(protocol.RankBegun(task_id=task_id, rank=rank))
+
+    def send() -> None:
+        link.take()
+        try:
+            link.send(frame)
+        finally:
+            link.give()
+
+    return send
+
+
 def _pg_sequence() -> int:
     """The default process group's collective count so far (-1 where torch cannot say)."""
     try:
@@ -379,7 +399,9 @@ def main() -> None:
             log.info("not running %s: %s changed since this group loaded it", task.target, stale)
             result = protocol.RankResult(rank=config.rank, outcome="error")
         else:
+            items.began = _began_sender(link, task.task_id, config.rank, features)
             result, ran = run_task(task, config.rank, baseline, capture, check_env)
+            items.began = None
             if ran.variable:
                 stale, stale_start = f"the variable {ran.variable}", ran.at_start
                 log.info("not running %s: an import read %s", task.target, ran.variable)

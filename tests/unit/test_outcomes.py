@@ -176,6 +176,22 @@ def test_deadline_collects_every_ranks_stack_then_retries_once_on_a_fresh_group(
     assert "rank0 in recv" in note and "rank1 in send" in note
 
 
+def test_a_rank_that_begins_the_test_late_moves_the_deadline() -> None:
+    """The deadline times the test, not the rank's pytest session build before it: a rank's
+    ``rank_begun`` restarts it (pytest-timeout's timer starts at the test in a fresh run)."""
+    sim = Sim(stack_wait_s=2.0)
+    sim.client()
+    task = sim.submit(pool_spec=spec(2), timeout=10)
+    sim.bring_up("g1")
+    sim.tick(8.0)  # building the session and collecting took 8 s
+    for rank in (0, 1):
+        sim.rank_send(Sim.rank_id("g1", rank), protocol.RankBegun(task_id=task, rank=rank))
+    sim.tick(9.0)  # 17 s after dispatch, 9 s into the test: still in time
+    assert not sim.sent_to_ranks(protocol.DumpStacks)
+    sim.tick(1.1)
+    assert len(sim.sent_to_ranks(protocol.DumpStacks)) == 2
+
+
 def test_a_second_infra_failure_is_the_verdict() -> None:
     sim = Sim()
     sim.client()

@@ -77,6 +77,7 @@ RANK_KINDS = {
     protocol.RankReady,
     protocol.RankDone,
     protocol.RankStacks,
+    protocol.RankBegun,
     protocol.DebugOutput,
 }
 
