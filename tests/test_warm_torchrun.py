@@ -99,37 +99,30 @@ def launch(args, how=TORCHRUN, timeout=120, env=None):
     )
 
 
-@pytest.mark.parametrize("how", [TORCHRUN, PYTHON_M], ids=["torchrun", "python-m"])
-def test_passes_and_writes(tmp_path, how):
-    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)], how)
+def test_passes_and_writes(tmp_path):
+    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)])
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split("\\n")) == [
         "", "RESULT 3.0 MODE a RANK 0 OF 2", "RESULT 3.0 MODE a RANK 1 OF 2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out-0.txt", "out-1.txt"]
 
 
-def test_exit_code_of_one_rank(tmp_path):
-    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--exit"])
+def test_a_rank_exits_3_and_another_raises(tmp_path):
+    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--exit", "--raise"])
     assert done.returncode == 1
     assert "train.py FAILED" in done.stderr
-
-
-def test_exception_traceback(tmp_path):
-    done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--raise"])
-    assert done.returncode == 1
     assert "ValueError: rank zero broke" in done.stderr
-    assert 'File "train.py"' in done.stderr or "train.py" in done.stderr
 
 
-def test_module(tmp_path):
-    done = launch(["--nproc-per-node", "2", "-m", "pkg.mod"])
+def test_python_m_runs_a_module(tmp_path):
+    done = launch(["--nproc-per-node", "2", "-m", "pkg.mod"], PYTHON_M)
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split()) == sorted("MODULE RANK 0 MODULE RANK 1".split())
 
 
 def test_hang_ended_by_timeout_then_a_launch_passes(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
-        launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--hang"], timeout=8)
+        launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--hang"], timeout=6)
     done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)])
     assert done.returncode == 0, done.stderr
 
@@ -208,7 +201,7 @@ def _session(project: Path, name: str, *args: str) -> tuple[dict[str, str], str]
 
 def test_a_suite_of_launches_gives_the_same_verdicts_warm(project: Path) -> None:
     plain, plain_out = _session(project, "plain")
-    assert set(plain.values()) == {"passed"} and len(plain) == 8, plain_out[-3000:]
+    assert set(plain.values()) == {"passed"} and len(plain) == 6, plain_out[-3000:]
     for name in ("cold", "warm"):
         got, out = _session(project, name, "--cpq-torchrun")
         assert got == plain, f"{name}: {got} != {plain}\n{out[-4000:]}"
@@ -233,16 +226,20 @@ def test_cpq_torchrun_from_a_shell_matches_torchrun(project: Path, tmp_path: Pat
             )
         return tuple(runs)
 
+    def lines(text: str) -> list[str]:
+        """The ranks' result lines (a real torchrun may interleave two ranks' on a line)."""
+        return sorted(re.findall(r"(?:\[default\d\]:)?RESULT \S+ MODE \S+ RANK \d OF \d", text))
+
     real, warm = both("--nproc-per-node", "2", "train.py", "OUT", "--raise")
     assert real.returncode == warm.returncode == 1
-    assert sorted(real.stdout.splitlines()) == sorted(warm.stdout.splitlines())
+    assert lines(real.stdout) == lines(warm.stdout)
     # the rank's own traceback as the interpreter prints it, the script's frame first
     trace = re.compile(r'Traceback \(most recent call last\):\n  File "train.py"')
     assert trace.search(warm.stderr), warm.stderr
     assert "train.py FAILED" in real.stderr and "train.py FAILED" in warm.stderr
     real, warm = both("--nproc-per-node", "2", "--tee", "3", "train.py", "OUT")
     assert real.returncode == warm.returncode == 0
-    assert sorted(real.stdout.splitlines()) == sorted(warm.stdout.splitlines())
+    assert lines(real.stdout) == lines(warm.stdout)
     # what cpq cannot make faithful runs the real torchrun, said once
     real, warm = both("--no-python", "--nproc-per-node", "1", "true")
     assert real.returncode == warm.returncode == 0
