@@ -9,6 +9,8 @@ last, on each rank), so what a launch costs beyond the script's own work is
 
     python tools/bench_torchrun.py [--launches 10] [--nproc 2] [--gpus none|auto]
         [--script PATH]   # another script (it must print SCRIPT_S <seconds>)
+        [--suite N]       # also: a pytest suite of N tests that each launch the script,
+                          # plain against --cpq-torchrun (cold, then warm), one run each
 """
 
 from __future__ import annotations
@@ -56,12 +58,52 @@ def launch(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, f
     return wall, max(own) if own else 0.0
 
 
+SUITE = """
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("case", range({n}))
+def test_launch(case):
+    done = subprocess.run(
+        ["torchrun", "--nproc-per-node", "{nproc}", "{script}", str(case)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("SCRIPT_S") == {nproc}
+"""
+
+
+def suite_walls(n: int, nproc: int, script: Path, work: Path, env: dict[str, str]) -> list[str]:
+    """A suite of ``n`` launching tests: plain, then under --cpq-torchrun cold and warm."""
+    project = work / "suite"
+    project.mkdir()
+    (project / "test_launches.py").write_text(SUITE.format(n=n, nproc=nproc, script=script))
+    rows = []
+    for name, extra in (
+        ("plain", []),
+        ("--cpq-torchrun, cold", ["--cpq-torchrun"]),
+        ("--cpq-torchrun, warm", ["--cpq-torchrun"]),
+    ):
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}")
+        rows.append(f"| {name} | {wall:.1f} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--launches", type=int, default=10)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--gpus", default="none")
     parser.add_argument("--script", type=Path, default=None)
+    parser.add_argument("--suite", type=int, default=0)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))
     script = args.script.resolve() if args.script else work / "script.py"
@@ -78,6 +120,7 @@ def main() -> None:
         for _ in range(args.launches):
             results["torchrun"].append(launch([*real, str(script)], script.parent, env))
             results["cpq torchrun"].append(launch([*warm, str(script)], script.parent, cpq_env))
+        suite = suite_walls(args.suite, args.nproc, script, work, cpq_env) if args.suite else []
     finally:
         broker.stop()
     print(
@@ -94,6 +137,11 @@ def main() -> None:
         beyond = statistics.median(w - o for w, o in runs)
         print(f"| {name} | {wall:.3f} | {own:.3f} | {beyond:.3f} |")
     print(f"(broker start {broker.start_s:.1f} s, not counted; logs in {work})")
+    if suite:
+        print(f"\nA suite of {args.suite} tests, each launching the script with torchrun:")
+        print("| session | wall (s) |")
+        print("| --- | --- |")
+        print("\n".join(suite))
 
 
 if __name__ == "__main__":
