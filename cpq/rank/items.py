@@ -260,6 +260,8 @@ class RankSession:
         self.config.hook.pytest_sessionstart(session=self.session)
         self.items: dict[str, Any] = {}
         self.collected: set[str] = set()
+        #: ``random``/numpy/torch states after this session's last test here (None: none).
+        self.generators: dict[str, Any] | None = None
 
     def _silence_terminal(self) -> None:
         """Reporting is the calling process's: pytest's terminal reporter is replaced by one
@@ -383,6 +385,35 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
     return _current
 
 
+def _generators() -> dict[str, Any]:
+    """The states of ``random``, numpy's legacy generator and torch's (CPU, CUDA) now."""
+    states: dict[str, Any] = {"random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state(legacy=True)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        states["torch"] = torch.get_rng_state()
+        if torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _restore_generators(states: dict[str, Any]) -> None:
+    random.setstate(states["random"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if "numpy" in states:
+            numpy.random.set_state(states["numpy"])
+        else:  # imported by the last test: where a fresh process's would be, near enough
+            numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in states:
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(states["cuda"])
+
+
 def _fresh_generators() -> None:
     """``random``, numpy and torch as a fresh process starts them: from fresh entropy."""
     random.seed()
@@ -407,10 +438,18 @@ def run_item(
     item = current.item(nodeid, path)
     if isinstance(item, str):
         return _not_collected(current, nodeid, item)
-    _fresh_generators()
+    # The generators go on from where this session's previous test left them, as in one
+    # pytest process of a fresh run; a session's first test on this rank starts them fresh.
+    if current.generators is None:
+        _fresh_generators()
+    else:
+        _restore_generators(current.generators)
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
-    current.run(item, next)
+    try:
+        current.run(item, next)
+    finally:
+        current.generators = _generators()
     return _item_run(current, rank)
 
 
