@@ -234,6 +234,9 @@ class RankSession:
         options.update(RANK_OPTIONS)
         if options.get("basetemp"):  # each rank its own, as each fresh process has
             base = str(options["basetemp"])
+            # The caller's may not exist yet (an xdist worker's, made when first used there;
+            # pytest makes only the last level of a given one).
+            os.makedirs(base, exist_ok=True)
             options["basetemp"] = os.path.join(base, f"rank{rank}-{os.getpid()}")
         args: list[str] = []
         for name in BLOCKED_PLUGINS:
