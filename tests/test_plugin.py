@@ -156,10 +156,11 @@ import torch.distributed as dist
 
 @pytest.mark.cpq(world_size=2)
 @pytest.mark.parametrize("n", range(8))
-def test_sum(n):
+def test_sum(n, tmp_path):  # tmp_path: each rank's own, under the xdist worker's basetemp
     t = torch.tensor([float(n + dist.get_rank())])
     dist.all_reduce(t)
     assert t.item() == 2 * n + 1
+    (tmp_path / "sum").write_text(str(t.item()))
 """
 
 
