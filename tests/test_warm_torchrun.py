@@ -88,6 +88,8 @@ import sys
 
 import pytest
 
+import torch.distributed.run as distrib_run  # as accelerate imports it
+
 TORCHRUN = ["torchrun"]
 PYTHON_M = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -125,6 +127,13 @@ def test_hang_ended_by_timeout_then_a_launch_passes(tmp_path):
         launch(["--nproc-per-node", "2", "train.py", str(tmp_path), "--hang"], timeout=6)
     done = launch(["--nproc-per-node", "2", "train.py", str(tmp_path)])
     assert done.returncode == 0, done.stderr
+
+
+def test_run_called_in_process(tmp_path):  # what `accelerate launch` does
+    args = distrib_run.get_args_parser().parse_args(
+        ["--nproc-per-node", "2", "train.py", str(tmp_path)])
+    distrib_run.run(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out-0.txt", "out-1.txt"]
 
 
 def test_variable_read_at_import_follows_each_launch(tmp_path):
@@ -201,7 +210,7 @@ def _session(project: Path, name: str, *args: str) -> tuple[dict[str, str], str]
 
 def test_a_suite_of_launches_gives_the_same_verdicts_warm(project: Path) -> None:
     plain, plain_out = _session(project, "plain")
-    assert set(plain.values()) == {"passed"} and len(plain) == 6, plain_out[-3000:]
+    assert set(plain.values()) == {"passed"} and len(plain) == 7, plain_out[-3000:]
     for name in ("cold", "warm"):
         got, out = _session(project, name, "--cpq-torchrun")
         assert got == plain, f"{name}: {got} != {plain}\n{out[-4000:]}"

@@ -14,14 +14,18 @@ start:
 
 ``cpq torchrun`` itself (:mod:`cpq.client.torchrun`) runs what it cannot make faithful with
 the real torchrun, with ``CPQ_TORCHRUN_REAL=1`` so the hook lets that one through.
-Not routed: ``torch.distributed.run.run(args)`` called inside a test's own process (as
-``accelerate launch`` does): that runs the real torchrun.
+``torch.distributed.run.run(args)`` called inside the test's own process (as ``accelerate
+launch`` does) is routed too: once ``torch.distributed.run`` is loaded here, its ``run`` is
+replaced by one that turns the parsed arguments back into a command line for ``cpq
+torchrun`` (what it does not know runs the real ``run``) and raises torchrun's
+``ChildFailedError`` when a rank failed, as the real one does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -97,6 +101,86 @@ def enabled(config: pytest.Config) -> bool:
     return bool(config.getini("cpq_torchrun"))
 
 
+#: What ``run(args)`` may carry for ``cpq torchrun`` to run it: option -> its default.
+_RUN_DEFAULTS: dict[str, Any] = {
+    "rdzv_id": "none",
+    "rdzv_conf": "",
+    "monitor_interval": 0.1,
+    "start_method": "spawn",
+    "event_log_handler": "null",
+    "role": "default",
+    "run_path": False,
+    "log_dir": None,
+    "redirects": "0",
+    "master_addr": "127.0.0.1",
+    "master_port": None,
+    "local_addr": None,
+    "logs_specs": None,
+    "numa_binding": None,
+    "virtual_local_rank": False,
+    "duplicate_stdout_filters": [],
+    "duplicate_stderr_filters": [],
+    "signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    "shutdown_timeout": None,
+}
+
+
+def run_argv(args: Any) -> list[str] | None:
+    """``run(args)``'s parsed arguments as ``cpq torchrun``'s command line; None where an
+    option differs from its default in a way cpq does not read (the real run then)."""
+    values = vars(args)
+    for name, default in _RUN_DEFAULTS.items():
+        if name in values and values[name] != default:
+            return None
+    argv = [
+        f"--nnodes={values.get('nnodes', '1:1')}",
+        f"--nproc-per-node={values.get('nproc_per_node', '1')}",
+        f"--max-restarts={values.get('max_restarts', 0)}",
+        f"--rdzv-backend={values.get('rdzv_backend', 'static')}",
+        f"--node-rank={values.get('node_rank', 0)}",
+    ]
+    if values.get("rdzv_endpoint"):
+        argv.append(f"--rdzv-endpoint={values['rdzv_endpoint']}")
+    if values.get("tee", "0") not in ("0", 0, None):
+        argv.append(f"--tee={values['tee']}")
+    if values.get("local_ranks_filter"):
+        argv.append(f"--local-ranks-filter={values['local_ranks_filter']}")
+    for flag in ("standalone", "no_python", "module"):
+        if values.get(flag):
+            argv.append("--" + flag.replace("_", "-"))
+    script = values.get("training_script")
+    if not script:
+        return None
+    return [*argv, str(script), *[str(a) for a in values.get("training_script_args") or []]]
+
+
+def route_in_process() -> None:
+    """Replace ``torch.distributed.run.run`` once that module is loaded here."""
+    module = sys.modules.get("torch.distributed.run")
+    if module is None or getattr(getattr(module, "run", None), "_cpq_routed", False):
+        return
+    real = getattr(module, "run")  # noqa: B009
+
+    def run(args: Any) -> None:
+        argv = run_argv(args)
+        if argv is None:
+            real(args)
+            return
+        done = subprocess.run([sys.executable, "-m", "cpq", "torchrun", *argv], check=False)
+        if done.returncode != 0:
+            from torch.distributed.elastic.multiprocessing.errors import (
+                ChildFailedError,
+                ProcessFailure,
+            )
+
+            failure = ProcessFailure(0, 0, done.returncode, "")
+            raise ChildFailedError(name=str(args.training_script), failures={0: failure})
+
+    run._cpq_routed = True  # type: ignore[attr-defined]
+    run.__wrapped__ = real  # type: ignore[attr-defined]
+    setattr(module, "run", run)  # noqa: B010 - a module mypy knows without this attribute
+
+
 class Routing:
     """The folder in front of ``PATH`` and ``PYTHONPATH`` while the session runs.
 
@@ -116,6 +200,14 @@ class Routing:
             os.environ[name] = self.folder + (os.pathsep + before if before else "")
 
     def close(self) -> None:
+        module = sys.modules.get("torch.distributed.run")
+        real = getattr(getattr(module, "run", None), "__wrapped__", None)
+        if (
+            module is not None
+            and getattr(getattr(module, "run", None), "_cpq_routed", False)
+            and real
+        ):
+            setattr(module, "run", real)  # noqa: B010
         for name, value in self.saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -364,6 +364,11 @@ def pytest_runtest_protocol(
         items.restore(item)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if ROUTING_KEY in item.config.stash:  # torch.distributed.run.run(args) here goes warm
+        launches.route_in_process()
+
+
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     pdb_relay.release_pending(item)  # a post-mortem pytest did not open (an xfail, say)
 
