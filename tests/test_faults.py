@@ -438,7 +438,8 @@ def test_broker_sigkilled_mid_task_then_restarted_on_the_same_endpoint(tmp_path:
     connection reaches the new broker, which does not know it and does not heartbeat it);
     no rank of the old group survives; the stale sockets are cleaned up; new clients work."""
     state = tmp_path / "state"
-    process, endpoint = start_broker(state, "--gpus", "none", "--max-ranks", "2")
+    # No spare: a spare starting beside the held group would be a second pool (and orphans)
+    process, endpoint = start_broker(state, "--gpus", "none", "--max-ranks", "2", "--spares", "0")
     release = tmp_path / "release"
     procs: list[psutil.Process] = []
     restarted = None
@@ -457,7 +458,9 @@ def test_broker_sigkilled_mid_task_then_restarted_on_the_same_endpoint(tmp_path:
         process.wait(timeout=10)
         killed_at = time.monotonic()
         assert Path(endpoint[len("ipc://") :]).exists()  # SIGKILL leaves the socket behind
-        restarted, again = start_broker(state, "--gpus", "none", "--max-ranks", "2")
+        restarted, again = start_broker(
+            state, "--gpus", "none", "--max-ranks", "2", "--spares", "0"
+        )
         assert again == endpoint
         with pytest.raises(BrokerUnavailable, match="stopped answering"):
             held.result(timeout=silence + MARGIN + 5)
