@@ -387,6 +387,8 @@ def pytest_runtest_makereport(
     waited = waits.pop(item.nodeid, None) if call.when == "teardown" else None
     if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
+        if ranks is not None:  # its durations are the ranks' own: the wait is not in them
+            report.user_properties.append((fanout.RANK_TIME_PROPERTY, True))
     location = item.stash.get(SKIP_LOCATION_KEY, None)
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
         report.longrepr = (location[0], location[1], report.longrepr[2])  # the body's skip

@@ -51,6 +51,9 @@ class TestRecord:
     #: Seconds its tasks waited for a group to start, as the broker measured them (None:
     #: no cpq task, or a broker that does not measure it).
     spawn_wait_s: float | None = None
+    #: Whether ``wall_s`` includes that wait: a test run in the pytest process that waited
+    #: for ``cpq.run`` does; one the ranks ran through pytest reports their own time only.
+    wait_in_wall: bool = True
 
 
 @dataclass
@@ -81,7 +84,10 @@ class Manifest:
         """What this shard teaches the next partition: each test's seconds without the time
         it waited for a group to start (that is the spec's spawn cost, ``spawn_s``, which
         the partition charges once per shard and not to the test that happened to wait)."""
-        return {i: max(0.0, r.wall_s - (r.spawn_wait_s or 0.0)) for i, r in self.tests.items()}
+        return {
+            i: max(0.0, r.wall_s - ((r.spawn_wait_s or 0.0) if r.wait_in_wall else 0.0))
+            for i, r in self.tests.items()
+        }
 
     @property
     def retries(self) -> int:
@@ -145,6 +151,7 @@ def from_json(data: object, where: str) -> Manifest:
             message=str(raw.get("message", "")),
             details=str(raw.get("details", "")),
             spawn_wait_s=_seconds_or_none(raw.get("spawn_wait_s"), f"{at}: 'spawn_wait_s'"),
+            wait_in_wall=raw.get("wait_in_wall", True) is not False,
         )
     index = _need(data, "index", int, where)
     count = _need(data, "count", int, where)

@@ -48,6 +48,9 @@ WORKER_KEY = "cpq_fanout"
 DETAILS_LIMIT = 20_000
 #: The user property (on a test's reports) with the seconds its tasks waited for a group.
 SPAWN_WAIT_PROPERTY = "cpq_spawn_wait_s"
+#: On a test the ranks ran through pytest: its reports' durations are the ranks' own time,
+#: without the wait for a group (``TestRecord.wait_in_wall``).
+RANK_TIME_PROPERTY = "cpq_rank_time"
 #: Least seconds between two rewrites of the manifest while tests run.
 FLUSH_EVERY_S = 1.0
 
@@ -120,6 +123,8 @@ def _record(records: dict[str, TestRecord], report: pytest.TestReport) -> None:
     for name, value in report.user_properties:
         if name == SPAWN_WAIT_PROPERTY and isinstance(value, int | float):
             record.spawn_wait_s = (record.spawn_wait_s or 0.0) + float(value)
+        elif name == RANK_TIME_PROPERTY:
+            record.wait_in_wall = False
     if report.failed:
         record.outcome = "failed" if report.when == "call" else "error"
         crash = getattr(report.longrepr, "reprcrash", None)

@@ -267,3 +267,17 @@ def test_a_shard_that_failed_without_a_failed_test_fails_the_merge() -> None:
     assert "shard 2/3: pytest exit status 1 without a failed test" in render(report)
     results[2].exitstatus = 5  # no tests: fine
     assert merge(results).exit_code == 0
+
+
+def test_the_next_durations_count_a_wait_only_where_the_wall_holds_it() -> None:
+    """A test run in the pytest process waited for ``cpq.run`` inside its wall; a test the
+    ranks ran through pytest reports the ranks' own time, so its wait is not taken off."""
+    fixture = TestRecord(outcome="passed", wall_s=7.0, spawn_wait_s=5.0)
+    on_ranks = TestRecord(outcome="passed", wall_s=2.0, spawn_wait_s=5.0, wait_in_wall=False)
+    shard = Manifest(
+        index=0, count=1, collection_hash="c", partition_hash="p", collected=["a", "b"],
+        selected=["a", "b"], run_id="r", tests={"a": fixture, "b": on_ranks},
+    )  # fmt: skip
+    assert shard.durations() == {"a": 2.0, "b": 2.0}
+    again = manifest.from_json(json.loads(json.dumps(shard.to_json())), "shard")
+    assert again.tests["b"].wait_in_wall is False and again.tests["a"].wait_in_wall is True
