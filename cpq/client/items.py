@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from cpq import protocol
-from cpq.client import combine
+from cpq.client import combine, reruns
 from cpq.client.report import CpqTaskFailed, report_result
 from cpq.protocol import TaskResult
 
@@ -91,13 +91,7 @@ def default_world_size(config: pytest.Config) -> int | None:
         value = os.environ.get(WORLD_SIZE_VAR) or config.getini("cpq_world_size") or None
     if value is None:
         return None
-    try:
-        size = int(value)
-    except ValueError:
-        raise pytest.UsageError(f"cpq world size must be a whole number, got {value!r}") from None
-    if size < 1:
-        raise pytest.UsageError(f"cpq world size must be at least 1, got {size}")
-    return size
+    return reruns.whole_number(value, "cpq world size", least=1)
 
 
 def rank_setup(config: pytest.Config, session_id: str) -> tuple[str, dict[str, Any]]:

@@ -42,14 +42,20 @@ def configured(config: pytest.Config) -> int:
     ):
         if value is None or value == "":
             continue
-        try:
-            count = int(value)
-        except ValueError:
-            raise pytest.UsageError(f"{where} must be a whole number, got {value!r}") from None
-        if count < 0:
-            raise pytest.UsageError(f"{where} must be 0 or more, got {count}")
-        return count
+        return whole_number(value, where, least=0)
     return DEFAULT_RETRIES
+
+
+def whole_number(value: object, where: str, least: int) -> int:
+    """An option's value as a whole number of at least ``least``; a usage error naming
+    ``where`` otherwise (the plugin's counting options share this)."""
+    try:
+        count: int = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"{where} must be a whole number, got {value!r}") from None
+    if count < least:
+        raise pytest.UsageError(f"{where} must be {least} or more, got {count}")
+    return count
 
 
 def rerun_by_plugin(item: pytest.Item) -> str:
