@@ -597,7 +597,7 @@ def test_deadline_reports_every_ranks_stack_and_retries_once(client: Client) -> 
 
 
 def test_sigkilled_broker_leaves_no_rank_process(tmp_path: Path) -> None:
-    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--spare-memory", "0")
+    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--memory", "0")
     procs: list[psutil.Process] = []
     try:
         with Client(endpoint, name="orphan-check") as private:

@@ -1,4 +1,4 @@
-"""Scheduling against a real broker: when the node is full, an idle group of another spec
+"""Placement against a real broker: when the node is full, an idle group of another spec
 is evicted (least recently used first) so a waiting spec can start."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def test_idle_group_of_another_spec_is_evicted_when_ranks_are_short(tmp_path: Path) -> None:
-    # Room for one ws=2 group only: the second spec can start only by evicting the first
-    # (spares held in memory, beyond --max-ranks, are test_spares' subject).
-    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--spare-memory", "0")
+    # Memory for one CPU group only: the second spec can start only by evicting the first
+    # (groups kept within --memory are test_spares' subject).
+    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--memory", "0")
     try:
         with Client(endpoint) as client:
             first = client.submit(

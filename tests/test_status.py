@@ -50,13 +50,12 @@ BROKER_KEYS = {
     "gpus_free", "max_ranks", "heartbeat_s", "liveness", "log_dir", "draining", "idle_exit_s",
     "default_timeout_s", "max_tasks_per_group", "max_rss_growth_mb", "timings_file",
     "adaptive_timeout", "adaptive_k", "adaptive_floor_s", "history_tests", "gpus_fake",
-    "gpu_leases", "gpu_yields", "spare_memory_mb", "spare_memory_used_mb",
+    "gpu_leases", "gpu_yields", "memory_mb", "memory_used_mb",
 }  # fmt: skip
 POOL_KEYS = {
     "id", "spec", "world_size", "backend", "env", "gpus", "state", "pid", "rank_pids",
     "uptime_s", "ready_after_s", "tasks_done", "rss_mb", "last_heartbeat_s", "task",
     "stop_reason", "python", "roots", "cuda_mb", "cuda_reserved_mb", "rss_growth_mb", "spare",
-    "spare_memory_mb",
     "bound_env", "start_bound_env",
     "spec_id",
 }  # fmt: skip

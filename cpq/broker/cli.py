@@ -47,7 +47,8 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-ranks",
         type=int,
         default=max(4, os.cpu_count() or 1),
-        help="most CPU (gloo) ranks alive at once (default max(4, cores))",
+        help="most CPU (gloo) ranks running tasks at once; idle ones count against --memory "
+        "(default max(4, cores))",
     )
     parser.add_argument("--oversubscribe", action="store_true", help="let groups share GPUs")
     parser.add_argument(
@@ -149,12 +150,15 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a spec keeps its spare while it ran a task within this many seconds (default 600)",
     )
     parser.add_argument(
-        "--spare-memory",
+        "--memory",
+        "--spare-memory",  # its name before every idle CPU group counted memory (0.1)
+        dest="memory",
         type=float,
         metavar="MB",
-        help="memory CPU spares may hold beyond --max-ranks: an idle rank costs memory, not a "
-        "core (each spare counts its spec's measured RSS; default: a quarter of the memory "
-        "available when the broker starts; 0: spares count against --max-ranks)",
+        help="memory CPU groups may hold while they live: an idle rank costs memory, a busy "
+        "one a core (--max-ranks); each group counts its measured RSS; full, a start stops "
+        "the least recently used idle groups (default: half the memory available when the "
+        "broker starts)",
     )
     parser.add_argument(
         "--insecure", action="store_true", help="allow a tcp endpoint without keys (loopback only)"
@@ -177,7 +181,6 @@ def parse_warm(text: str, roots: list[str]) -> tuple[PoolSpec, int]:
 
 
 def _run_broker(args: argparse.Namespace) -> int:
-    from cpq.broker.gpus import detect_gpus
     from cpq.broker.loop import BrokerAlreadyRunning, BrokerConfig, run_broker
     from cpq.security import InsecureEndpoint
 
@@ -203,16 +206,16 @@ def _run_broker(args: argparse.Namespace) -> int:
     if args.max_ranks < 1:
         print("cpq-broker: --max-ranks must be at least 1", file=sys.stderr)
         return EXIT_USAGE
-    if args.spare_memory is not None and args.spare_memory < 0:
-        print("cpq-broker: --spare-memory must be 0 or more (MB)", file=sys.stderr)
+    if args.memory is not None and args.memory < 0:
+        print("cpq-broker: --memory must be 0 or more (MB)", file=sys.stderr)
         return EXIT_USAGE
-    spare_memory_mb = args.spare_memory
-    if spare_memory_mb is None:
-        spare_memory_mb = osutil.available_memory_mb() / 4
+    memory_mb = args.memory
+    if memory_mb is None:
+        memory_mb = osutil.available_memory_mb() / 2
     from cpq.broker import inventory, leasedir
 
     try:
-        gpus = inventory.detect(args.gpus, detect_gpus)
+        gpus = inventory.detect(args.gpus)
     except ValueError as exc:
         print(f"cpq-broker: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -248,7 +251,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         max_rss_growth_mb=args.max_rss_growth,
         spares=args.spares,
         spare_window_s=args.spare_window,
-        spare_memory_mb=spare_memory_mb,
+        memory_mb=memory_mb,
         warm=warm,
     )
     try:

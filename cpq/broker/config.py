@@ -22,6 +22,7 @@ class BrokerConfig:
     #: The node-shared lease directory (``--gpu-leases``). None: no leases, for in-process
     #: unit tests only; ``cpq-broker`` always leases.
     gpu_leases: Path | None = None
+    #: Ranks of CPU groups that run tasks at once (``--max-ranks``: cores).
     max_ranks: int = 8
     oversubscribe: bool = False
     heartbeat_s: float = 1.0
@@ -49,12 +50,13 @@ class BrokerConfig:
     #: Recycle a group after a task once a rank's RSS grew this much since ready (0: never).
     max_rss_growth_mb: float = 0.0
     #: Clean spare groups kept per recently used spec (``--spares``, 0 or 1; see
-    #: :mod:`cpq.broker.spares`), and how recently a spec must have run a task to keep one.
+    #: :mod:`cpq.broker.placement.spares`), and how recently a spec must have run a task to
+    #: keep one.
     spares: int = 1
     spare_window_s: float = 600.0
-    #: Memory (MB) CPU spares may hold beyond ``max_ranks`` (``--spare-memory``; 0: spares
-    #: count against ``max_ranks`` like every group). :mod:`cpq.broker.spares` says why.
-    spare_memory_mb: float = 0.0
+    #: Memory (MB) CPU groups may hold while they live (``--memory``): an idle rank costs
+    #: memory, a busy one a core (``max_ranks``). docs/design.md, "Placement".
+    memory_mb: float = 16_000.0
     #: Groups to start at start-up, as (spec, count) (``--warm``).
     warm: list[tuple[PoolSpec, int]] = field(default_factory=list)
 

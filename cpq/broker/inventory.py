@@ -1,4 +1,5 @@
-"""Which GPUs a broker has, by the id its ranks see and by the UUID its leases are named by.
+"""Which GPUs a broker has (``--gpus auto|none|0,1,...|fake:N``), by the id its ranks see
+and by the UUID its leases are named by.
 
 ``CUDA_VISIBLE_DEVICES`` ids are what a group's ranks get; they differ between containers
 (each numbers its GPUs from 0), so node-wide leases (:mod:`cpq.broker.leases`) are named by
@@ -9,6 +10,7 @@ and touch no CUDA, so placement and leases are tested on a CPU machine.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -30,7 +32,7 @@ def fake(count: int) -> Inventory:
     return Inventory(gpus, {g: f"GPU-fake-{g}" for g in gpus}, fake=True)
 
 
-def detect(requested: str, detect_ids: Callable[[str], list[str]]) -> Inventory:
+def detect(requested: str, detect_ids: Callable[[str], list[str]] | None = None) -> Inventory:
     """``--gpus``: ``fake:N``, or what ``detect_ids`` finds (auto, none, a list) with the
     UUIDs nvidia-smi reports for them."""
     match = _FAKE.fullmatch(requested.strip())
@@ -38,7 +40,7 @@ def detect(requested: str, detect_ids: Callable[[str], list[str]]) -> Inventory:
         return fake(int(match[1]))
     if requested.strip().startswith("fake"):
         raise ValueError(f"--gpus {requested!r}: a test inventory is fake:N (like fake:8)")
-    ids = detect_ids(requested)
+    ids = (detect_ids or detect_gpus)(requested)
     return Inventory(ids, resolve_uuids(ids, _smi_uuids()))
 
 
@@ -74,3 +76,24 @@ def _smi_uuids() -> dict[str, str]:
         if index and uuid:
             out[index] = uuid
     return out
+
+
+def detect_gpus(requested: str) -> list[str]:
+    """``--gpus``: ``auto`` (CUDA_VISIBLE_DEVICES, else nvidia-smi), ``none``, or a list."""
+    if requested == "none":
+        return []
+    if requested != "auto":
+        return [g.strip() for g in requested.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=20, check=True
+        )
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU ")]

@@ -7,34 +7,25 @@ keeps its GPU leased until it exits. The broker closes its own copy when it stop
 group; the kernel frees the GPU when the last process holding the lease has exited.
 Nothing here blocks: a lease held elsewhere is simply not free now.
 
-Taking is all or nothing (a group needs all its GPUs at once), and a GPU that an older
-want of another broker names is left to that broker (:func:`cpq.broker.yielding.may_take`).
+Taking is all or nothing (a group needs all its GPUs at once). Which GPUs to take is the
+placement's decision (:mod:`cpq.broker.placement`); a GPU found held elsewhere is reported
+back to it through :meth:`Leases.held_elsewhere` (measured here, where the lock was tried).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpq.broker import leasedir, yielding
+from cpq.broker import leasedir
 from cpq.broker.leasedir import LeaseRefused
 
 log = logging.getLogger("cpq.broker")
 
 #: A GPU found held elsewhere is not probed again for this long (one broker tick).
 RETRY_S = 0.05
-
-
-@dataclass
-class Attempt:
-    """What the last failed :meth:`Leases.take` found: GPUs it could lock, and GPUs it
-    could not (held by another broker, or left to an older want)."""
-
-    lockable: set[str] = field(default_factory=set)
-    unavailable: set[str] = field(default_factory=set)
 
 
 class Leases:
@@ -46,9 +37,6 @@ class Leases:
         self.me = me
         #: GPUs this broker may never lease, and why (found when it started).
         self.refused: dict[str, str] = {}
-        #: Fresh wants of other brokers (refreshed every tick by the sharing step).
-        self.foreign: list[yielding.Want] = []
-        self.last_attempt = Attempt()
         self._fds: dict[str, int] = {}
         self._refs: dict[str, int] = {}
         self._held_elsewhere: dict[str, float] = {}  # gpu -> monotonic time seen
@@ -86,57 +74,53 @@ class Leases:
     def holds(self, gpu: str) -> bool:
         return gpu in self._fds
 
-    def take(self, candidates: list[str], count: int, since: float, now: float) -> list[str] | None:
-        """Lease ``count`` of ``candidates`` (in order) for a need waiting since ``since``
-        (wall clock), or None with nothing taken (see :attr:`last_attempt`)."""
-        got: list[str] = []
+    def take(self, gpus: list[str], now: float) -> bool:
+        """Lease every GPU of ``gpus``, or none (False; the GPUs found held elsewhere are
+        remembered for :meth:`held_elsewhere`)."""
         new: dict[str, int] = {}
-        attempt = Attempt()
+        missing = False
         try:
-            for gpu in candidates:
-                if len(got) == count:
-                    break
-                if gpu in self._fds:  # already ours (--oversubscribe): share our lease
-                    got.append(gpu)
+            for gpu in gpus:
+                if gpu in self._fds or gpu in new:  # already ours (--oversubscribe): share it
                     continue
-                fd = self._try(gpu, since, now)
+                fd = self._try(gpu, now)
                 if fd is None:
-                    attempt.unavailable.add(gpu)
+                    missing = True
                     continue
                 new[gpu] = fd
-                got.append(gpu)
         except BaseException:  # all or nothing: what this call took goes back
             for fd in new.values():
                 os.close(fd)
             raise
-        if len(got) < count:
+        if missing:
             for fd in new.values():
                 os.close(fd)
-            attempt.lockable = set(got)
-            self.last_attempt = attempt
-            return None
+            return False
         self._fds.update(new)
-        self.last_attempt = Attempt()
-        for gpu in got:
+        for gpu in gpus:
             self._refs[gpu] = self._refs.get(gpu, 0) + 1
-        return got
+        return True
 
-    def _try(self, gpu: str, since: float, now: float) -> int | None:
+    def held_elsewhere(self, now: float) -> frozenset[str]:
+        """GPUs this broker could not lease when it last tried (just now): another broker
+        held them, or their lease file could not be used."""
+        return frozenset(g for g, seen in self._held_elsewhere.items() if now - seen < RETRY_S)
+
+    def _try(self, gpu: str, now: float) -> int | None:
         uuid = self.uuids[gpu]
-        if not yielding.may_take(uuid, since, self.me, self.foreign):
-            return None  # an older want of another broker gets it first
-        if now - self._held_elsewhere.get(gpu, -RETRY_S) < RETRY_S:
-            return None
         try:
             fd = leasedir.try_lock(self.directory, uuid)
         except LeaseRefused as exc:
             if self._problems.get(gpu) != str(exc):
                 log.error("GPU %s not leased: %s", gpu, exc)
             self._problems[gpu] = str(exc)
+            self._held_elsewhere[gpu] = now  # not to be tried again at once either
             return None
         self._problems.pop(gpu, None)
         if fd is None:
             self._held_elsewhere[gpu] = now
+        else:
+            self._held_elsewhere.pop(gpu, None)
         return fd
 
     def drop(self, gpus: list[str]) -> None:

@@ -10,8 +10,9 @@ time-outs, idle exit) happens in :meth:`Broker.tick`, which the loop runs at lea
 
 The loop is the only place that coordinates :class:`~cpq.broker.pools.Pools` (groups) and
 :class:`~cpq.broker.tasks.Tasks` (the task lifecycle): after every event it carries out
-what they asked for (:meth:`Broker.settle`) and then schedules queued tasks onto idle
-groups. See ``docs/design.md``.
+what they asked for (:meth:`Broker.settle`) and then asks placement
+(:mod:`cpq.broker.placement`, through :class:`~cpq.broker.placing.Placer`) what to run,
+start and stop. See ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cpq import protocol
-from cpq.broker import liveness, notices, snapshot, spare_keeping, warming
+from cpq.broker import liveness, notices, snapshot
 from cpq.broker.clock import Clock, SystemClock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.controller import Controller
-from cpq.broker.model import Client, Group, Rank, Totals, session_of
+from cpq.broker.model import Client, Group, Rank, Totals
+from cpq.broker.placement import admission
+from cpq.broker.placing import Placer
 from cpq.broker.pools import Pools, ProcessFactory, real_process
 from cpq.broker.tasks import Tasks
 from cpq.broker.timeline import Timeline
 from cpq.broker.transport import BrokerAlreadyRunning, Transport
-from cpq.protocol import PoolSpec
 from cpq.timeline.records import timeline_path
 
 log = logging.getLogger("cpq.broker")
@@ -103,11 +105,12 @@ class Broker:
             self.clock,
             self.totals,
             self.clients,
-            self.pools.resources,
+            self.pools.room,
             self.transport.send_client,
             self.transport.send_rank,
             self.timeline,
         )
+        self.placer = Placer(self.pools, self.tasks)
         self.started_at = self.clock.time()
         self.idle_since = self.clock.monotonic()
         self.stopping = False
@@ -224,12 +227,20 @@ class Broker:
             return  # a draining broker is on its way out: no new groups for future tasks
         counts = message.counts
         wanted = [counts[i] if i < len(counts) else 1 for i in range(len(message.specs))]
-        warming.start(self.pools, list(zip(message.specs, wanted, strict=True)), quiet=True)
+        self.placer.requests.warm += zip(message.specs, wanted, strict=True)
 
     def warm_up(self) -> None:
         """Start the ``--warm`` groups now, so the first clients find them ready."""
-        warming.start(self.pools, self.config.warm, quiet=False)
+        for spec, _ in self.config.warm:
+            impossible = admission.impossible(spec, self.pools.room)
+            if impossible:
+                log.warning("--warm %s: %s", spec.label(), impossible)
+        self.placer.requests.warm += self.config.warm
         self.settle()
+        for spec, count in self.config.warm:
+            live = len(self.pools.live(spec))
+            if live < count and not admission.impossible(spec, self.pools.room):
+                log.warning("--warm %s: room for %d of %d groups only", spec.label(), live, count)
 
     def drop_client(self, client: Client, why: str) -> None:
         self.clients.pop(client.identity, None)
@@ -278,36 +289,10 @@ class Broker:
                     return
 
     def schedule(self) -> None:
-        """Queued tasks onto idle groups of their spec; grow pools that fall behind."""
+        """What placement decides: queued tasks onto groups, groups started and stopped."""
         if self.stopping:
             return
-        queues = self.tasks.queues
-        for spec in queues.waiting_specs():
-            while (task := queues.peek(spec)) is not None:
-                fresh = task.stale_bounces > 0  # its last group found the code changed
-                own = session_of(task) if task.submit.own_groups else None
-                group = self.pools.idle_group(spec, task.submit.affinity, fresh, own)
-                if group is None:
-                    if own is not None and not any(
-                        g.state == "starting" for g in self.pools.live(spec)
-                    ):  # the idle groups served other sessions: a new one, not a wait
-                        self.pools.start(spec, evict=True, queued=self._queued, own_session=own)
-                    self.pools.evict_for_memory_spare(spec, self._queued)
-                    break
-                queues.pop(spec)
-                self.pools.assign(group, task)
-                unreachable = self.tasks.start(task, group)
-                if unreachable:
-                    self.pools.fail(group, unreachable)
-                    return  # settle() carries the failure out and schedules again
-            oldest = queues.by_spec[spec].oldest() if queues.depth(spec) else 0.0
-            if queues.depth(spec) and self.pools.should_grow(spec, oldest):
-                self.pools.start(
-                    spec, evict=not self.pools.live(spec), queued=self._queued, waiting_since=oldest
-                )
-
-    def _queued(self, spec: PoolSpec) -> bool:
-        return self.tasks.queues.depth(spec) > 0
+        self.placer.place(closing=self.draining)
 
     # ---- time
 
@@ -334,15 +319,10 @@ class Broker:
         self.settle()
         self.tasks.tick(now)
         self.tasks.debug.tick()
+        self.pools.history.forget(now, self.config.spare_window_s)
+        if self.pools.sharing is not None:  # other brokers' wants, ours: placement's input
+            self.pools.sharing.tick(self.pools.groups)
         self.settle()  # also: queued tasks may have waited long enough to grow a pool
-        # Spares take free room only when nothing is queued (queued tasks come first).
-        spare_keeping.keep_spares(
-            self.pools, may_start=not (self.stopping or self.draining or self.tasks.queues)
-        )
-        self.settle()  # a spare that could not even start is a failure to carry out
-        if self.pools.sharing is not None:  # other brokers' wants, ours, yields
-            self.pools.sharing.tick(self.pools.groups, self._yield)
-            self.settle()
         self._say_why_waiting(now)
         self.timeline.flush()
         if self.draining and not self.tasks.tasks:
@@ -352,11 +332,6 @@ class Broker:
         elif self.config.idle_exit_s and now - self.idle_since > self.config.idle_exit_s:
             log.info("idle for %.0fs; exiting", now - self.idle_since)
             self.stop_now("idle")
-
-    def _yield(self, group: Group, why: str) -> None:
-        # An idle group runs no user code: no grace, its GPUs go to the waiting broker now.
-        # The timeline counts it as an eviction (for another broker); ``why`` says so.
-        self.pools.stop(group, why, recycled=False, cause="evicted", grace_s=0.0)
 
     def stop_now(self, why: str) -> None:
         self.tasks.stop_all(why)

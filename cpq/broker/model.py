@@ -183,11 +183,8 @@ class Group:
     cuda_mb: dict[int, float] = field(default_factory=dict)
     cuda_reserved_mb: dict[int, float] = field(default_factory=dict)
     unfit: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot go on
-    #: Started as a spare (:mod:`cpq.broker.spares`) and has taken no task yet.
+    #: Started as a spare (:mod:`cpq.broker.placement.spares`) and has taken no task yet.
     spare: bool = False
-    #: A CPU spare held beyond ``--max-ranks`` reserves this much memory (MB) until it takes
-    #: a task or stops; 0: its ranks count against ``--max-ranks`` as every other group's.
-    memory_mb: float = 0.0
     #: Optional features every rank reads (from their ``rank_ready``).
     rank_features: frozenset[str] | None = None
     #: The task variables its ranks last got: a ``run`` with the same ones says

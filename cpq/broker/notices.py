@@ -48,16 +48,25 @@ def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = Non
         if others:
             served = f"{others} idle but served other sessions (own groups asked)"
             counts = f"{counts}, {served}" if counts else served
-    resources = pools.resources
-    if resources.uses_gpus(spec):
-        room = f"{len(resources.free_gpus())} of {len(resources.gpus)} GPUs free"
-        elsewhere = resources.leases.last_attempt.unavailable if resources.leases else set()
-        if elsewhere:  # free here, but leased by (or left to) other brokers of the node
-            room += f" ({len(elsewhere)} of them held by other brokers)"
-    else:
-        free = resources.max_ranks - resources.cpu_ranks_used
-        room = f"{free} of {resources.max_ranks} CPU ranks free"
+    room = pools.room
+    groups = pools.groups.values()
+    if room.uses_gpus(spec):
+        used = {gpu for g in groups for gpu in g.process.gpus}
+        free = [gpu for gpu in room.gpus if gpu not in used]
+        text = f"{len(free)} of {len(room.gpus)} GPUs free"
+        now = pools.clock.monotonic()
+        elsewhere = pools.leases.held_elsewhere(now) & set(free) if pools.leases else set()
+        if elsewhere:  # free here, but leased by other brokers of the node
+            text += f" ({len(elsewhere)} of them held by other brokers)"
+    else:  # busy ranks cost cores, live ones memory (docs/design.md, "Placement")
+        cpu = [g for g in groups if not room.uses_gpus(g.spec)]
+        busy = sum(g.spec.world_size for g in cpu if g.state == "busy")
+        held = sum(v.memory_mb for v in pools.view() if v.cpu)
+        text = (
+            f"{room.max_ranks - busy} of {room.max_ranks} CPU ranks free; "
+            f"CPU groups hold {held:.0f} of {room.memory_mb:.0f} MB"
+        )
     others = queued - 1
     besides = f"{others} other task(s) of this spec queued" if others else "none queued besides"
     group = f"a {spec.label()} group ({spec.digest()})"
-    return f"waiting for {group}: {counts or 'none yet'}; {room}; {besides}"
+    return f"waiting for {group}: {counts or 'none yet'}; {text}; {besides}"

@@ -1,13 +1,12 @@
-"""Pools: the groups (one torchrun each), their ranks, and the resources they hold.
+"""Pools: the groups (one torchrun each), their ranks, and the GPU leases they hold.
 
-A pool is every group of one :class:`~cpq.protocol.PoolSpec`. This module starts groups
-(evicting idle groups of other specs when GPUs are short), stops and reaps them, recycles
-them after a task, starts the spares :mod:`cpq.broker.spare_keeping` asks for,
-picks the idle group a task goes to (:mod:`cpq.broker.affinity`), and watches them every
-tick: torchrun's exit code, silent ranks, a start that takes too long. What goes wrong is
-reported as :class:`GroupFailed` events in :attr:`Pools.failures`; pools never call the
-task lifecycle, the loop (:mod:`cpq.broker.loop`) turns a failure into a retry or a
-verdict. See ``docs/design.md``, "Liveness".
+A pool is every group of one :class:`~cpq.protocol.PoolSpec`. This module starts the groups
+placement decides on (:mod:`cpq.broker.placement`; it decides nothing itself), stops and
+reaps them, records what placement remembers where it is measured (:attr:`Pools.history`),
+and watches groups every tick: torchrun's exit code, silent ranks, a start that takes too
+long. What goes wrong is reported as :class:`GroupFailed` events in :attr:`Pools.failures`;
+pools never call the task lifecycle, the loop (:mod:`cpq.broker.loop`) turns a failure into
+a retry or a verdict. See ``docs/design.md``, "Liveness" and "Placement".
 """
 
 from __future__ import annotations
@@ -18,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpq import protocol
-from cpq.broker import growth, liveness, recycling, spares
-from cpq.broker.affinity import Affinity
+from cpq.broker import liveness
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.leases import Leases
 from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals, session_of
-from cpq.broker.scheduler import Resources
+from cpq.broker.placement.history import History
+from cpq.broker.placement.view import DEFAULT_RANK_MB, GroupView, Room
 from cpq.broker.sharing import GpuSharing, broker_id
 from cpq.broker.timeline import Timeline
 from cpq.protocol import PoolSpec
@@ -90,20 +89,18 @@ class Pools:
             self.leases = Leases(config.gpu_leases, config.gpu_uuids, broker_id(config.endpoint))
             refused = self.leases.prepare(config.gpus)
             self.sharing = GpuSharing(self.leases, clock, config.endpoint)
-        self.resources = Resources(
-            [g for g in config.gpus if g not in refused],
+        self.room = Room(
+            tuple(g for g in config.gpus if g not in refused),
             config.max_ranks,
+            config.memory_mb,
             config.oversubscribe,
-            self.leases,
             config.fake_gpus,
             refused,
-            config.spare_memory_mb,
         )
         self.groups: dict[str, Group] = {}
         self.ranks: dict[bytes, tuple[Group, Rank]] = {}
         self.failures: list[GroupFailed] = []
-        self.spares = spares.SparePolicy(config.spares, config.spare_window_s)
-        self.affinity = Affinity()
+        self.history = History()
         self._group_seq = 0
         self._shutdown = protocol.encode(protocol.Shutdown())
 
@@ -116,76 +113,54 @@ class Pools:
         """A group of ``spec`` is starting or idle: it may still serve queued tasks."""
         return any(g.spec == spec and g.state in ("starting", "idle") for g in self.groups.values())
 
-    def idle_group(
-        self,
-        spec: PoolSpec,
-        affinity: str = "",
-        fresh: bool = False,
-        own_session: str | None = None,
-    ) -> Group | None:
-        """The idle group of ``spec`` a task should go to, None if none is idle.
+    def view(self) -> tuple[GroupView, ...]:
+        """The groups as placement sees them."""
+        return tuple(self._view(g) for g in self.groups.values())
 
-        The group that last ran the task's ``affinity`` key (its kernels and caches are
-        warm for it), else the most recently used one; a spare only when no used group is
-        idle, or first for a task whose last group found the code changed (``fresh``: the
-        other used groups loaded the same code). ``own_session``: only a group that served
-        no other session (``Submit.own_groups``).
-        """
-        idle = [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
-        if any(g.memory_mb for g in idle) and not self.resources.can_promote(
-            spec, self._stopping_cpu_ranks()
-        ):  # a spare held in memory takes a task only when its ranks find cores
-            idle = [g for g in idle if not g.memory_mb]
-        preferred = self.affinity.group_for(spec, affinity)
-        return spares.pick_idle(idle, preferred, fresh, own_session)
-
-    def should_grow(self, spec: PoolSpec, oldest_queued_at: float) -> bool:
-        """Start another group of ``spec`` for its queued tasks? (:mod:`cpq.broker.growth`)"""
-        now = self.clock.monotonic()
-        return growth.should_grow(
-            self.live(spec), oldest_queued_at, now, self.config.scale_up_after_s
+    def _view(self, group: Group) -> GroupView:
+        cpu = not self.room.uses_gpus(group.spec)
+        memory = 0.0
+        if cpu:  # measured where it can be; a group not ready yet holds its spec's estimate
+            need = self.history.memory_need(group.spec)
+            need = need or DEFAULT_RANK_MB * group.spec.world_size
+            measured = sum(group.rss_mb.values())
+            memory = max(measured, need) if group.state == "starting" else measured or need
+        growth = tuple(
+            (rank, rss - group.rss_ready_mb[rank])
+            for rank, rss in group.rss_mb.items()
+            if group.rss_ready_mb.get(rank, 0.0) > 0  # 0: a rank that reported no baseline
+        )
+        return GroupView(
+            group.id,
+            group.spec,
+            group.state,
+            tuple(group.process.gpus),
+            group.spare,
+            cpu,
+            memory,
+            group.last_used,
+            group.ready_at,
+            frozenset(group.sessions),
+            group.tasks_done,
+            tuple(sorted(group.unfit.items())),
+            growth,
         )
 
     # ---- starting and stopping
 
-    def start(
-        self,
-        spec: PoolSpec,
-        evict: bool = False,
-        queued: Callable[[PoolSpec], bool] = lambda spec: False,
-        spare: bool = False,
-        waiting_since: float | None = None,
-        own_session: str | None = None,
-    ) -> Group | None:
-        """Start a group of ``spec``; None when there is no room (then spares of other specs
-        are stopped if that makes room, and with ``evict`` idle used groups too, and GPUs
-        other brokers hold are wanted) or torchrun did not start. A ``spare`` starts only
-        into free room. ``waiting_since``: when the oldest task it is for was queued;
-        ``own_session``: the task wants a group of its own session (idle groups of its spec
-        that served others may be evicted for it)."""
+    def start(self, spec: PoolSpec, gpus: list[str], spare: bool = False) -> Group | None:
+        """Start a group of ``spec`` on ``gpus``, as placement decided; None when a GPU's
+        lease is held elsewhere (:meth:`Leases.held_elsewhere` then says which; nothing is
+        taken) or torchrun did not start."""
         now = self.clock.monotonic()
-        since = float("inf")  # no task waits for it: any other broker's want comes first
-        if waiting_since is not None:
-            since = self.clock.time() - (now - waiting_since)
-        gpus: list[str] | None = None
-        memory_mb = 0.0  # a CPU spare held in memory beyond --max-ranks (spares.py)
-        need_mb = self.spares.memory_need(spec) if spare else 0.0
-        if need_mb and self.resources.reserve_spare_memory(spec, need_mb):
-            gpus, memory_mb = [], need_mb
-        if gpus is None:
-            gpus = self.resources.allocate(spec, since, now)
-        if gpus is None:
-            if not spare:
-                self.evict_for(spec, queued, used=evict, own_session=own_session)
-                if self.sharing is not None and self.resources.uses_gpus(spec):
-                    self.sharing.want_for(spec, since, self.resources, self._stopping_gpus())
+        if self.leases is not None and gpus and not self.leases.take(gpus, now):
             return None
         self._group_seq += 1
         group_id = f"g{self._group_seq}"
         process = self.process_factory(
             group_id,
             spec,
-            self.resources.dist_backend(spec),
+            self.room.dist_backend(spec),
             gpus,
             self.backend_endpoint,
             self.config.heartbeat_s,
@@ -202,7 +177,6 @@ class Pools:
             started_wall=self.clock.time(),
             last_used=now,
             spare=spare,
-            memory_mb=memory_mb,
         )
         self.groups[group_id] = group
         self.totals.groups_started += 1
@@ -221,61 +195,6 @@ class Pools:
             process.pid,
         )
         return group
-
-    def _stopping_cpu_ranks(self) -> int:
-        """Ranks of stopping CPU groups that count against ``--max-ranks``."""
-        return sum(
-            g.spec.world_size
-            for g in self.groups.values()
-            if g.state == "stopping" and not g.memory_mb and not self.resources.uses_gpus(g.spec)
-        )
-
-    def _stopping_gpus(self) -> set[str]:
-        """GPUs of groups on their way out: they come back without another broker's help."""
-        return {
-            gpu for g in self.groups.values() if g.state == "stopping" for gpu in g.process.gpus
-        }
-
-    def evict_for(
-        self,
-        spec: PoolSpec,
-        queued: Callable[[PoolSpec], bool],
-        used: bool = True,
-        own_session: str | None = None,
-    ) -> None:
-        """Stop groups of other specs if that makes ``spec`` fit: spares (idle or starting)
-        of specs with nothing queued first, then (with ``used``) least-recently-used idle
-        groups, those whose spec has tasks ``queued`` last; with ``own_session`` also idle
-        groups of ``spec`` that served other sessions (:func:`spares.eviction_order`)."""
-        if any(g.state == "stopping" for g in self.groups.values()):
-            return  # resources are already on their way back; wait for them
-        holding = [g for g in self.groups.values() if not g.memory_mb]  # the rest hold no room
-        candidates = spares.eviction_order(holding, spec, queued, used, own_session)
-        victims: list[Group] = []
-        for group in candidates:
-            victims.append(group)
-            freed = [(v.spec, v.process.gpus) for v in victims]
-            if self.resources.would_fit_after_freeing(spec, freed):
-                for victim in victims:
-                    log.info(
-                        "evicting %s group %s (%s) for %s",
-                        "spare" if victim.spare else "idle",
-                        victim.id,
-                        victim.spec.label(),
-                        spec.label(),
-                    )
-                    self.stop(
-                        victim, f"evicted for {spec.label()}", recycled=False, cause="evicted"
-                    )
-                return
-
-    def evict_for_memory_spare(self, spec: PoolSpec, queued: Callable[[PoolSpec], bool]) -> None:
-        """A task of ``spec`` waits while its spec's only groups are spares held in memory
-        that find no free core: stop idle groups of other specs for it, as for a spec with
-        no group (else the spare would wait for good behind idle groups)."""
-        live = self.live(spec)
-        if live and all(g.memory_mb for g in live):
-            self.evict_for(spec, queued, used=True)
 
     def stop(
         self,
@@ -311,7 +230,7 @@ class Pools:
         if group.state == "stopping":
             return
         if group.spare:
-            self.spares.failed(group.spec, self.clock.monotonic())
+            self.history.spare_failed(group.spec, self.clock.monotonic())
         failure = GroupFailed(
             group, reason, group.task, group.state == "starting", group.process.log_tail()
         )
@@ -329,25 +248,20 @@ class Pools:
     def assign(self, group: Group, task: Task) -> None:
         group.state = "busy"
         group.task = task
-        group.spare = False  # an ordinary group now; the next tick starts a new spare
-        if group.memory_mb:  # held in memory until now: its ranks take cores from here on
-            self.resources.promote(group.spec, group.memory_mb)
-            group.memory_mb = 0.0
+        group.spare = False  # an ordinary group now; placement starts a new spare
+        group.last_used = now = self.clock.monotonic()
         group.sessions.add(session_of(task))
-        self.spares.used(group.spec, self.clock.monotonic(), task.client)
-        self.affinity.ran(group.spec, task.submit.affinity, group.id)
+        self.history.used(group.spec, now, task.client, task.submit.affinity, group.id)
 
     def release(self, group: Group) -> None:
-        """A group finished its task cleanly: back to idle, or recycled (see below)."""
+        """A group finished its task cleanly: back to idle (placement may recycle it:
+        :mod:`cpq.broker.placement.recycling`)."""
         if group.state == "stopping":
             return
         group.task = None
         group.tasks_done += 1
         group.last_used = self.clock.monotonic()
         group.state = "idle"
-        reason = recycling.recycle_reason(group, self.config)
-        if reason:
-            self.stop(group, reason)
 
     # ---- ranks
 
@@ -373,7 +287,7 @@ class Pools:
         group.state = "idle"
         group.ready_at = group.last_used = now
         group.ready_after_s = now - group.started_at
-        self.spares.spawned(group.spec, group.ready_after_s, sum(group.rss_ready_mb.values()))
+        self.history.spawned(group.spec, group.ready_after_s, sum(group.rss_ready_mb.values()))
         self.totals.group_start_s += group.ready_after_s
         self.timeline.ready(group)
         log.info("group %s (%s) ready in %.2fs", group.id, group.spec.label(), group.ready_after_s)
@@ -396,8 +310,7 @@ class Pools:
 
     def _tick_group(self, group: Group, now: float) -> None:
         if group.state == "stopping":
-            if group.process.reap(now):
-                self.resources.release(group.spec, group.process.gpus, group.memory_mb)
+            if group.process.reap(now):  # its GPUs and memory are back
                 del self.groups[group.id]
                 self.timeline.gone(group)
             return

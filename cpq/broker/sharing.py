@@ -1,9 +1,9 @@
-"""Sharing the node's GPUs with other brokers, once per tick: wants, yields, holder details.
+"""Sharing the node's GPUs with other brokers, once per tick: wants and holder details.
 
-Every tick the broker (1) reads the other brokers' wants, (2) publishes its own — the GPU
-groups it could not start since the last tick because GPUs are held elsewhere
-(:meth:`GpuSharing.want`, called by :class:`~cpq.broker.pools.Pools`) — (3) stops the idle
-groups and spares the yield rule (:mod:`cpq.broker.yielding`) picks, and (4) writes who
+The files only; every decision is placement's (:mod:`cpq.broker.placement`: which GPUs to
+want, which groups yield). Every tick the broker (1) reads the other brokers' wants
+(:attr:`GpuSharing.foreign`, an input of the next placements), (2) publishes its own — what
+the placements since the last tick wanted (:meth:`GpuSharing.want`) — and (3) writes who
 holds each of its leases (display only). It also builds the ``gpus`` and ``wants`` rows of
 ``cpq-status``: every GPU of the node, including those of other containers whose lease
 files share the directory.
@@ -18,15 +18,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from cpq.broker import leasedir, yielding
+from cpq.broker import leasedir
 from cpq.broker.clock import Clock
 from cpq.broker.leases import Leases
 from cpq.broker.model import Group
-from cpq.broker.scheduler import Resources
-from cpq.protocol import PoolSpec
+from cpq.broker.placement import yielding
 
 log = logging.getLogger("cpq.broker")
 
@@ -54,27 +53,12 @@ class GpuSharing:
         self.pending: dict[str, dict[str, Any]] = {}  # spec label -> want entry
         self.published: list[dict[str, Any]] = []
         self.yields = 0
+        #: Fresh wants of other brokers, oldest first (read every tick).
+        self.foreign: list[yielding.Want] = []
         self._since: dict[str, tuple[str, float]] = {}  # group -> (state, wall since)
         self._want_error = ""
 
     # ---- wants (this broker's)
-
-    def want_for(
-        self, spec: PoolSpec, since: float, resources: Resources, freeing: set[str]
-    ) -> None:
-        """Tell other brokers what a task of ``spec`` (waiting since ``since``, wall clock;
-        infinity: no task waits) lacks of the GPUs they hold; ``freeing``: GPUs of our own
-        stopping groups, which come back without them."""
-        if since == float("inf"):
-            return
-        allowed = set(resources.allowed_gpus(spec))
-        attempt = self.leases.last_attempt
-        freeing = freeing & allowed
-        need = yielding.shortfall(spec.world_size, len(attempt.lockable), len(freeing))
-        wanted = (attempt.unavailable & allowed) - freeing
-        if need and wanted:
-            # the spec by digest only: want files are readable by every user of the node
-            self.want(f"ws{spec.world_size} #{spec.digest()}", since, need, wanted)
 
     def want(self, spec: str, since: float, need: int, gpus: set[str]) -> None:
         """A group of ``spec`` could not start: ``need`` more GPUs of ``gpus`` (ids) are
@@ -83,9 +67,6 @@ class GpuSharing:
         old = self.pending.get(spec)
         if old is None or since < old["since"]:
             self.pending[spec] = {"spec": spec, "since": since, "need": need, "gpus": uuids}
-
-    def my_since(self) -> float | None:
-        return min((w["since"] for w in self.published), default=None)
 
     def _publish(self, now: float) -> None:
         entries = sorted(self.pending.values(), key=lambda w: float(w["since"]))
@@ -114,27 +95,14 @@ class GpuSharing:
 
     # ---- the tick
 
-    def tick(self, groups: Mapping[str, Group], stop: Callable[[Group, str], None]) -> None:
-        """One tick: ``groups`` are this broker's, ``stop`` stops one (a yield)."""
+    def tick(self, groups: Mapping[str, Group]) -> None:
+        """One tick: read the others' wants, publish ours, describe our leases."""
         now = self.clock.time()
-        self.leases.foreign = yielding.parse_wants(
+        self.foreign = yielding.parse_wants(
             leasedir.read_wants(self.leases.directory), self.leases.me, now
         )
         self._publish(now)
-        mine = [
-            yielding.Holding(g.id, frozenset(self._uuids(g)), g.state, g.spare, g.last_used)
-            for g in groups.values()
-            if g.process.gpus
-        ]
-        for group_id, want in yielding.to_yield(self.leases.foreign, mine, self.my_since()):
-            self.yields += 1
-            waited = f"{want.spec or 'a GPU task'}, waiting {now - want.since:.1f}s"
-            why = f"yielded its GPUs to {want.who} ({waited})"
-            stop(groups[group_id], why)
         self._describe(groups, now)
-
-    def _uuids(self, group: Group) -> list[str]:
-        return [self.leases.uuids[g] for g in group.process.gpus if g in self.leases.uuids]
 
     def _describe(self, groups: Mapping[str, Group], now: float) -> None:
         for group_id in [g for g in self._since if g not in groups]:
@@ -199,7 +167,7 @@ class GpuSharing:
                 "need": w.need,
                 "gpus": sorted(w.gpus),
             }
-            for w in self.leases.foreign
+            for w in self.foreign
         ]
         for entry in self.published:
             rows.append({"who": self.who, "this_broker": True, **entry})

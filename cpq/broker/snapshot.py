@@ -36,13 +36,13 @@ def describe(
         "started_at": started_at,
         "uptime_s": clock.time() - started_at,
         "gpus": config.gpus,
-        "gpus_free": pools.resources.free_gpus(),
+        "gpus_free": _free_gpus(pools),
         "gpus_fake": config.fake_gpus,
         "gpu_leases": str(config.gpu_leases or ""),
         "gpu_yields": pools.sharing.yields if pools.sharing else 0,
         "max_ranks": config.max_ranks,
-        "spare_memory_mb": config.spare_memory_mb,
-        "spare_memory_used_mb": pools.resources.spare_memory_used_mb,
+        "memory_mb": config.memory_mb,  # what CPU groups may hold (--memory)
+        "memory_used_mb": sum(v.memory_mb for v in pools.view() if v.cpu),
         "heartbeat_s": config.heartbeat_s,
         "liveness": config.liveness,
         "log_dir": str(config.log_dir),
@@ -115,12 +115,11 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
         "spec": group.spec.label(),
         "spec_id": group.spec.digest(),
         "world_size": group.spec.world_size,
-        "backend": pools.resources.backend_for(group.spec),
+        "backend": pools.room.backend_for(group.spec),
         "env": dict(group.spec.env),  # the spec's variables only: never a task's
         "gpus": group.process.gpus,
         "state": group.state,
-        "spare": group.spare,  # clean: has run no task yet (cpq.broker.spares)
-        "spare_memory_mb": group.memory_mb,  # a spare held in memory beyond --max-ranks
+        "spare": group.spare,  # clean: has run no task yet (cpq.broker.placement.spares)
         "pid": group.process.pid,
         "rank_pids": sorted(group.process.rank_pids),
         "uptime_s": now - group.started_at,
@@ -153,3 +152,8 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
             for r in range(ws)
         ],
     }
+
+
+def _free_gpus(pools: Pools) -> list[str]:
+    used = {gpu for g in pools.groups.values() for gpu in g.process.gpus}
+    return [gpu for gpu in pools.room.gpus if gpu not in used]

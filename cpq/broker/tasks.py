@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 from cpq import protocol
 from cpq.broker import hangs, retries
-from cpq.broker.admission import Admission
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.debugging import DebugSessions
 from cpq.broker.model import Client, Group, Task, Totals, task_key
-from cpq.broker.scheduler import Queues, Resources
+from cpq.broker.placement.admission import Admission
+from cpq.broker.placement.view import Room
+from cpq.broker.queues import Queues
 from cpq.broker.startenv import StartBound
 from cpq.broker.timeline import Timeline
 from cpq.broker.verdicts import Verdicts, join, verdict
@@ -53,7 +54,7 @@ class Tasks:
         clock: Clock,
         totals: Totals,
         clients: dict[bytes, Client],
-        resources: Resources,
+        room: Room,
         send_client: Callable[[bytes, protocol.Message | bytes], None],
         send_rank: Callable[[bytes, bytes], bool],
         timeline: Timeline | None = None,
@@ -62,14 +63,13 @@ class Tasks:
         self.clock = clock
         self.totals = totals
         self.clients = clients
-        self.resources = resources
         self.send_client = send_client
         self.send_rank = send_rank
         self.tasks: dict[str, Task] = {}
         self.queues: Queues[Task] = Queues()
         self.group_requests: list[GroupRequest] = []
         self.draining = False
-        self.admission = Admission(resources)
+        self.admission = Admission(room)
         self.start_bound = StartBound()
         self.timeline = timeline or Timeline(None, 0, clock)
         self.verdicts = Verdicts(config, clock, totals, clients, send_client, self.timeline)

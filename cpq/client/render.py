@@ -44,12 +44,12 @@ def _per_rank(values: list[float] | None) -> str:
     return "/".join(f"{v:.0f}" for v in values or []) or "-"
 
 
-def spare_memory(broker: dict[str, Any]) -> str:
-    """What CPU spares hold beyond ``--max-ranks`` (an older broker says nothing)."""
-    budget = broker.get("spare_memory_mb") or 0
+def cpu_memory(broker: dict[str, Any]) -> str:
+    """What CPU groups hold of ``--memory`` (an older broker says nothing)."""
+    budget = broker.get("memory_mb") or 0
     if not budget:
         return ""
-    return f" (+ spares in memory: {broker.get('spare_memory_used_mb', 0):.0f} of {budget:.0f} MB)"
+    return f"  CPU group memory: {broker.get('memory_used_mb', 0):.0f} of {budget:.0f} MB"
 
 
 def render(status: dict[str, Any]) -> str:
@@ -62,7 +62,7 @@ def render(status: dict[str, Any]) -> str:
         f"cpq-broker {broker['version']}  pid {broker['pid']}  {broker['endpoint']}  "
         f"up {fmt_duration(broker['uptime_s'])}" + ("  DRAINING" if broker.get("draining") else ""),
         f"GPUs: {','.join(gpus) or 'none'} ({len(gpus)} owned, {len(free)} free: "
-        f"{','.join(free) or '-'})  max CPU ranks: {broker['max_ranks']}" + spare_memory(broker),
+        f"{','.join(free) or '-'})  max busy CPU ranks: {broker['max_ranks']}" + cpu_memory(broker),
         "",
     ]
     pools = status["pools"]

@@ -18,8 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpq import environ, protocol
-from cpq.broker.scheduler import Resources
+from cpq.broker.placement.admission import impossible
+from cpq.broker.placement.plan import NO_TASK, Plan
+from cpq.broker.placement.view import GroupView, Room
 from cpq.broker.tasks import MAX_STALE_BOUNCES
+from cpq.protocol import PoolSpec
 from cpq.rank import cancel, freshness
 from cpq.rank.io import CPQ_DIR, user_stack
 from cpq.timings import _parse, history_key
@@ -329,16 +332,26 @@ def test_no_broker_variable_reaches_a_task_unless_the_group_owns_it(
 
 
 def test_a_callers_cuda_visible_devices_narrows_the_gpus() -> None:
-    resources = Resources(["0", "1", "2", "3"], max_ranks=8)
+    room = Room(("0", "1", "2", "3"), max_ranks=8)
     narrowed = spec(2, env=[("CUDA_VISIBLE_DEVICES", "2,3")])
-    assert resources.impossible(narrowed) is None
-    assert resources.allocate(narrowed) == ["2", "3"]
-    assert resources.allocate(narrowed) is None  # 0 and 1 are free, but not this caller's
-    assert resources.allocate(spec(2)) == ["0", "1"]
+    assert impossible(narrowed, room) is None
+    assert place_on(room, narrowed, []) == ("2", "3")
+    on_23 = GroupView("g1", narrowed, "idle", ("2", "3"), cpu=False)
+    assert place_on(room, narrowed, [on_23]) is None  # 0 and 1 are free, not this caller's
+    assert place_on(room, spec(2), [on_23]) == ("0", "1")
     hidden = spec(1, env=[("CUDA_VISIBLE_DEVICES", "")])
-    assert "allows 0 of this broker's GPUs" in (resources.impossible(hidden) or "")
+    assert "allows 0 of this broker's GPUs" in (impossible(hidden, room) or "")
     assert environ.gpu_filter({"CUDA_VISIBLE_DEVICES": "-1"}) == []
     assert environ.gpu_filter({}) is None
+
+
+def place_on(room: Room, pool_spec: PoolSpec, groups: list[GroupView]) -> tuple[str, ...] | None:
+    """Where placement would start a group of ``pool_spec`` beside ``groups``."""
+    from cpq.broker.placement.history import History
+    from cpq.broker.placement.view import Snapshot
+
+    snapshot = Snapshot(0.0, 0.0, room, tuple(groups), (), History())
+    return Plan(snapshot).gpus_for(pool_spec, NO_TASK)
 
 
 # --------------------------------------------------------------------------- rank side

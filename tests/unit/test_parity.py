@@ -133,10 +133,10 @@ def test_own_groups_take_only_groups_of_their_session() -> None:
 
 
 def test_own_groups_evict_idle_groups_of_other_sessions_when_they_fill_the_room() -> None:
-    """Idle groups of the spec that served another session fill --max-ranks: they can never
-    take an own-groups task, so one is evicted for it (before, the task waited for good
+    """Idle groups of the spec that served another session fill the room (--memory): they can
+    never take an own-groups task, so one is evicted for it (before, the task waited for good
     while the notice said "none yet")."""
-    sim = Sim(max_ranks=2)
+    sim = Sim(memory_mb=300.0)  # one measured ws=2 group
     sim.client(b"c1", features=FEATURES)
     sim.client(b"c2", features=FEATURES)
     pool = spec(2)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpq import protocol
-from cpq.broker.scheduler import FairQueue
+from cpq.broker.queues import FairQueue
 
 from .fakes import Sim, spec
 

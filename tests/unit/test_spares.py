@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cpq import protocol
-from cpq.broker.affinity import Affinity
-from cpq.broker.spares import RETRY_AFTER_S
+from cpq.broker.placement.history import RETRY_AFTER_S, History
 from cpq.client.plugin import default_affinity
 
 from .fakes import Sim, spec
@@ -120,7 +119,7 @@ def test_changed_code_sends_the_task_to_the_spare_even_past_other_used_groups() 
 
 
 def test_no_spare_starts_while_tasks_are_queued() -> None:
-    sim = Sim(spares=1, max_ranks=2)
+    sim = Sim(spares=1, memory_mb=300.0)  # room for one measured ws=2 group (200 MB)
     sim.client()
     first, second = sim.submit(), sim.submit()
     sim.bring_up("g1")
@@ -130,16 +129,16 @@ def test_no_spare_starts_while_tasks_are_queued() -> None:
     sim.finish_all("g1", first)
     assert sim.running("g1") == second
     sim.tick(0.05)
-    assert sim.states() == {"g1": "busy"}  # no free rank slots: no spare
+    assert sim.states() == {"g1": "busy"}  # no free memory: no spare
 
 
 def test_a_spare_never_blocks_a_queued_task_of_another_spec() -> None:
-    sim, _ = warm_with_spare(max_ranks=4)  # g1 (used) + g2 (spare) hold every slot
+    sim, _ = warm_with_spare(memory_mb=450.0)  # g1 (used) + g2 (spare) hold the memory
     other = sim.submit(pool_spec=spec(2, env=[("B", "1")]))
     assert sim.states()["g2"] == "stopping"  # the spare goes first, not the used g1
     assert sim.states()["g1"] == "idle"
     assert "evicted for" in sim.broker.pools.groups["g2"].stop_reason
-    sim.tick(0.05)  # reaped: its slots come back and the other spec's group starts
+    sim.tick(0.05)  # reaped: its memory comes back and the other spec's group starts
     assert sim.states()["g3"] == "starting"
     sim.bring_up("g3")
     assert sim.running("g3") == other
@@ -147,7 +146,7 @@ def test_a_spare_never_blocks_a_queued_task_of_another_spec() -> None:
 
 def test_a_starting_spare_is_evicted_for_a_growing_spec() -> None:
     """A spec that already has a group may still evict another spec's spare to grow."""
-    sim = Sim(spares=1, max_ranks=6, scale_up_after_s=1.0)
+    sim = Sim(spares=1, memory_mb=650.0, scale_up_after_s=1.0)  # three ws=2 groups
     sim.client(features=FEATURES)
     a_spec, b_spec = spec(2, env=[("A", "1")]), spec(2, env=[("B", "1")])
     a = sim.submit(pool_spec=a_spec)
@@ -171,7 +170,7 @@ def test_a_starting_spare_is_evicted_for_a_growing_spec() -> None:
 
 
 def test_spares_are_evicted_before_idle_used_groups() -> None:
-    sim = Sim(spares=1, max_ranks=6)
+    sim = Sim(spares=1, memory_mb=650.0)
     sim.client()
     a = sim.submit(pool_spec=spec(2, env=[("A", "1")]))
     sim.bring_up("g1")
@@ -266,17 +265,17 @@ def test_affinity_never_makes_a_task_wait_for_its_busy_group() -> None:
 
 
 def test_affinity_remembers_the_last_group_and_forgets_the_oldest_keys() -> None:
-    memory = Affinity(max_keys=2)
+    memory = History(max_keys=2)
     ws2 = spec(2)
-    memory.ran(ws2, "a", "g1")
-    memory.ran(ws2, "a", "g2")
+    memory.used(ws2, 0.0, b"c", "a", "g1")
+    memory.used(ws2, 0.0, b"c", "a", "g2")
     assert memory.group_for(ws2, "a") == "g2"
     assert memory.group_for(spec(1), "a") == ""  # per spec
-    memory.ran(ws2, "", "g3")
-    assert len(memory) == 1  # no key, nothing remembered
-    memory.ran(ws2, "b", "g1")
-    memory.ran(ws2, "a", "g3")  # "a" is the newest again
-    memory.ran(ws2, "c", "g1")
+    memory.used(ws2, 0.0, b"c", "", "g3")
+    assert memory.affinity_keys() == 1  # no key, nothing remembered
+    memory.used(ws2, 0.0, b"c", "b", "g1")
+    memory.used(ws2, 0.0, b"c", "a", "g3")  # "a" is the newest again
+    memory.used(ws2, 0.0, b"c", "c", "g1")
     assert memory.group_for(ws2, "b") == "" and memory.group_for(ws2, "a") == "g3"
 
 
@@ -306,7 +305,7 @@ def test_on_a_tight_budget_the_spare_goes_where_a_spawn_costs_the_waiting_tests_
     ws=2 one; before, the most recently used spec took the room first (a ws=1 spare), and the
     ws=2 spec, which has no spare then, paid a 7 s spawn after every edit. (Equal costs never
     trade places: test_spares_are_evicted_before_idle_used_groups.)"""
-    sim = Sim(spares=1, max_ranks=5)
+    sim = Sim(spares=1, memory_mb=550.0)  # g1 and g2, and one more ws=2 group
     one, two = spec(1), spec(2)
     for worker in (b"gw0", b"gw1"):
         sim.client(worker, features=FEATURES)
@@ -318,8 +317,9 @@ def test_on_a_tight_budget_the_spare_goes_where_a_spawn_costs_the_waiting_tests_
     sim.finish_all("g1", t2)
     t3 = sim.submit(client=b"gw0", pool_spec=one)  # used last
     sim.clock.advance(2.0)
-    sim.bring_up("g2")
-    sim.finish_all("g2", t3)
+    ws1 = next(g.id for g in sim.broker.pools.groups.values() if g.spec == one)
+    sim.bring_up(ws1)
+    sim.finish_all(ws1, t3)
     for _ in range(6):  # spares start (and would trade places) and settle
         sim.tick(0.05)
         for group in list(sim.broker.pools.groups.values()):
@@ -329,19 +329,20 @@ def test_on_a_tight_budget_the_spare_goes_where_a_spawn_costs_the_waiting_tests_
     spares = [g for g in sim.broker.pools.groups.values() if g.spare and g.state != "stopping"]
     assert [g.spec.world_size for g in spares] == [2]
     used = {g.id for g in sim.broker.pools.groups.values() if not g.spare}
-    assert used == {"g1", "g2"}  # a used group is never stopped for a spare
+    assert used == {"g1", ws1}  # a used group is never stopped for a spare
 
 
 def two_specs_used(**config: object) -> Sim:
-    """A ``--max-ranks 4`` broker whose ws=1 group g1 and ws=2 group g2 each ran a task (3
-    of the 4 cores held), whose ranks measured 100 MB at ready, and whose spares have
-    started and come up."""
+    """A ``--max-ranks 4`` broker whose ws=1 group and ws=2 group (:func:`used_group`) each
+    ran a task, whose ranks measured 100 MB at ready, and whose spares have started and come
+    up (where they fit)."""
     sim = Sim(spares=1, max_ranks=4, **config)
     sim.client(features=FEATURES)
-    for group_id, ws in (("g1", 1), ("g2", 2)):
+    for ws in (1, 2):
         task = sim.submit(pool_spec=spec(ws))
-        sim.bring_up(group_id, rss_mb=100.0)
-        sim.finish_all(group_id, task)
+        sim.tick(0.05)  # a spare evicted for it is reaped: it starts
+        sim.bring_up(used_group(sim, ws), rss_mb=100.0)
+        sim.finish_all(used_group(sim, ws), task)
     for _ in range(3):
         sim.tick(0.05)
         for group in list(sim.broker.pools.groups.values()):
@@ -350,92 +351,90 @@ def two_specs_used(**config: object) -> Sim:
     return sim
 
 
-def live_spares(sim: Sim) -> dict[int, float]:
-    """World size -> the memory its spare holds beyond --max-ranks (0: it holds cores)."""
+def used_group(sim: Sim, ws: int) -> str:
+    """The id of the group of world size ``ws`` that is no spare."""
     groups = sim.broker.pools.groups.values()
-    return {g.spec.world_size: g.memory_mb for g in groups if g.spare and g.state != "stopping"}
+    return next(g.id for g in groups if g.spec == spec(ws) and not g.spare)
+
+
+def live_spares(sim: Sim) -> list[int]:
+    groups = sim.broker.pools.groups.values()
+    return sorted(g.spec.world_size for g in groups if g.spare and g.state != "stopping")
+
+
+def held_mb(sim: Sim) -> float:
+    return float(sim.broker.status()["broker"]["memory_used_mb"])
 
 
 @pytest.mark.parametrize(
     ("budget", "expected"),
-    [(1000.0, {1: 100.0, 2: 200.0}), (150.0, {1: 100.0}), (0.0, {1: 0.0})],
-    ids=["both-fit", "only-the-smaller-fits", "no-memory-budget"],
+    [(1000.0, [1, 2]), (450.0, [1]), (300.0, [])],
+    ids=["both-fit", "only-the-smaller-fits", "no-room"],
 )
-def test_idle_spares_are_held_in_memory_beyond_max_ranks(
-    budget: float, expected: dict[int, float]
-) -> None:
-    """Issue 20: a ws=1 and a ws=2 spec on a --max-ranks 4 CPU box. Counted against cores,
-    only the ws=1 spare fits and every edit costs the ws=2 tests a spawn; an idle rank costs
-    memory, not a core, so within --spare-memory both keep a spare (each reserving its
-    spec's measured ready RSS), and the cores stay as they were for groups that run tasks."""
-    sim = two_specs_used(spare_memory_mb=budget)
+def test_idle_groups_and_spares_cost_memory_not_cores(budget: float, expected: list[int]) -> None:
+    """Issue 29: a ws=1 and a ws=2 spec on a --max-ranks 4 CPU box (cores). Idle groups hold
+    no core, so their spares live within --memory (each counting its measured RSS: the used
+    groups hold 300 MB), and the ws=2 spare (the most recently used spec) gives way to the
+    ws=1 one only when it does not fit."""
+    sim = two_specs_used(memory_mb=budget)
     assert live_spares(sim) == expected
-    resources = sim.broker.pools.resources
-    assert resources.spare_memory_used_mb == sum(expected.values())
-    assert resources.cpu_ranks_used == 3 + sum(ws for ws, mb in expected.items() if not mb)
+    assert held_mb(sim) == 300.0 + 100.0 * sum(expected)
+    assert sim.broker.status()["broker"]["memory_mb"] == budget
 
 
-def test_a_spare_held_in_memory_replaces_its_spec_s_group_and_then_holds_cores() -> None:
-    sim = two_specs_used(spare_memory_mb=1000.0)
+def test_a_spare_replaces_its_spec_s_group_at_once() -> None:
+    sim = two_specs_used(memory_mb=1000.0)
     spare = next(g for g in sim.broker.pools.groups.values() if g.spare and g.spec == spec(2))
+    g2 = used_group(sim, 2)
     edited = sim.submit(pool_spec=spec(2))
-    assert sim.running("g2") == edited
+    assert sim.running(g2) == edited
     result = protocol.RankResult(rank=0, outcome="error")
     stale = protocol.RankDone(task_id=edited, result=result, stale="/project/helper.py")
-    sim.rank_send(sim.rank_id("g2", 0), stale)
-    assert sim.states()["g2"] == "stopping"
-    assert sim.running(spare.id) == edited  # at once: g2's cores are on their way back
-    resources = sim.broker.pools.resources
-    assert spare.memory_mb == 0.0 and resources.spare_memory_used_mb == 100.0
-    sim.tick(0.05)  # g2 reaped; a new ws=2 spare starts, in memory again
-    assert resources.cpu_ranks_used == 3
-    assert live_spares(sim) == {1: 100.0, 2: 200.0}
+    sim.rank_send(sim.rank_id(g2, 0), stale)
+    assert sim.states()[g2] == "stopping"
+    assert sim.running(spare.id) == edited
+    sim.tick(0.05)  # g2 reaped; a new ws=2 spare starts
+    assert live_spares(sim) == [1, 2]
     sim.finish_all(spare.id, edited)
     assert sim.done()[edited].outcome == "passed"
 
 
-def test_a_spare_held_in_memory_waits_for_cores_rather_than_oversubscribe_them() -> None:
-    """Cores bound the ranks that run tasks: with every core held by groups that serve, a
-    task does not take its spec's spare from memory; it runs when a core comes back."""
-    sim = two_specs_used(spare_memory_mb=1000.0)
+def test_a_task_waits_for_cores_rather_than_oversubscribe_them() -> None:
+    """Cores bound the ranks that run tasks: with 3 of 4 cores busy, a ws=2 task does not
+    take its spec's idle spare, and no group starts for it (a new one would find no core
+    either); it runs when a core comes back."""
+    sim = two_specs_used(memory_mb=1000.0)
+    g1, g2 = used_group(sim, 1), used_group(sim, 2)
     one = sim.submit(pool_spec=spec(1))
     first = sim.submit(pool_spec=spec(2))
-    assert sim.running("g1") == one and sim.running("g2") == first
-    sim.tick(0.05)
+    assert sim.running(g1) == one and sim.running(g2) == first
     second = sim.submit(pool_spec=spec(2))
-    sim.tick(1.5)  # long enough to grow: no room in cores, and the spare may not take it
-    resources = sim.broker.pools.resources
-    assert resources.cpu_ranks_used <= 4
-    spares = [g.id for g in sim.broker.pools.groups.values() if g.spare]
-    assert spares and all(sim.running(g) is None for g in spares)
-    sim.finish_all("g2", first)
-    assert sim.running("g2") == second
+    sim.tick(1.5)  # long enough to grow, were cores not the bound
+    busy = [g for g in sim.broker.pools.groups.values() if g.state == "busy"]
+    assert sum(g.spec.world_size for g in busy) == 3
+    assert not [g for g in sim.broker.pools.groups.values() if g.state == "starting"]
+    sim.finish_all(g2, first)
+    assert sim.running(g2) == second
 
 
-def test_a_spec_left_with_only_a_spare_in_memory_gets_cores_from_idle_groups() -> None:
-    """A spec whose used group is gone keeps its spare in memory; when its next task finds
-    every core held by idle groups of other specs, those are stopped for it, as for a spec
-    with no group, and the spare takes the task (it does not wait for good)."""
-    sim = Sim(spares=1, max_ranks=4, spare_memory_mb=1000.0)
-    sim.client(features=FEATURES)
+def test_idle_groups_never_hold_cores_and_memory_evicts_the_least_recently_used() -> None:
+    """Three ws=2 specs on 4 cores all stay warm (before, the third evicted one: 6 ranks
+    alive were over --max-ranks); with memory for two groups only, the third evicts the
+    least recently used idle group and says which budget was short."""
     a, b, c = (spec(2, env=[(name, "1")]) for name in "ABC")
-    first = sim.submit(pool_spec=a)
-    sim.bring_up("g1")
-    sim.finish_all("g1", first)
-    sim.tick(0.05)
-    sim.bring_up("g2")  # A's spare, in memory
-    assert sim.broker.pools.groups["g2"].memory_mb == 200.0
-    sim.broker.pools.stop(sim.broker.pools.groups["g1"], "gone for the test", recycled=False)
-    sim.tick(0.05)
-    for other in (b, c):  # two idle used groups hold the four cores
-        task = sim.submit(pool_spec=other)
-        group_id = next(g.id for g in sim.broker.pools.groups.values() if g.state == "starting")
-        sim.bring_up(group_id)
-        sim.finish_all(group_id, task)
-    assert sim.broker.pools.resources.cpu_ranks_used == 4
-    waiting = sim.submit(pool_spec=a)
-    stopped = [g for g in sim.broker.pools.groups.values() if g.state == "stopping"]
-    assert len(stopped) == 1 and stopped[0].spec in (b, c) and not stopped[0].spare
-    sim.tick(0.05)  # reaped: the spare fits the cores now
-    assert sim.running("g2") == waiting
-    assert sim.broker.pools.resources.cpu_ranks_used == 4
+    for budget, stopped in ((10_000.0, []), (450.0, ["g1"])):
+        sim = Sim(max_ranks=4, memory_mb=budget)
+        sim.client(features=FEATURES)
+        for group_id, which in (("g1", a), ("g2", b)):
+            task = sim.submit(pool_spec=which)
+            sim.bring_up(group_id, rss_mb=100.0)
+            sim.finish_all(group_id, task)
+        sim.submit(pool_spec=c)
+        states = sim.states()
+        assert [g for g, state in states.items() if state == "stopping"] == stopped
+        if stopped:
+            reason = sim.broker.pools.groups["g1"].stop_reason
+            assert reason.startswith("evicted for a ws2/auto C=1 group: CPU groups may hold 450 MB")
+            sim.tick(0.05)
+        sim.bring_up("g3")
+        assert sim.states()["g3"] == "busy"

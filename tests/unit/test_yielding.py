@@ -1,8 +1,16 @@
-"""The yield rule between brokers (cpq.broker.yielding), on plain values."""
+"""The yield rule between brokers (cpq.broker.placement.yielding), on plain values."""
 
 from __future__ import annotations
 
-from cpq.broker.yielding import STALE_S, Holding, Want, may_take, parse_wants, shortfall, to_yield
+from cpq.broker.placement.yielding import (
+    STALE_S,
+    Holding,
+    Want,
+    may_take,
+    parse_wants,
+    shortfall,
+    to_yield,
+)
 
 NOW = 1_700_000_000.0
 

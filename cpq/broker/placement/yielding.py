@@ -1,4 +1,5 @@
-"""Yield: which of this broker's groups give their GPUs to another broker's waiting task.
+"""Step 4, yielding: which of this broker's groups give their GPUs to another broker's
+waiting task. After growth, so that this broker's own wants of this placement count.
 
 Pure rules (no files, no clock of its own), so they are unit-tested on plain values:
 
@@ -24,21 +25,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from cpq.broker.placement.plan import Plan, may_take
+from cpq.broker.placement.view import Want
+
+__all__ = ["STALE_S", "Holding", "Want", "may_take", "parse_wants", "shortfall", "step", "to_yield"]
+
 #: A want not rewritten for this long is ignored (the broker rewrites it every tick).
 STALE_S = 1.0
-
-
-@dataclass(frozen=True)
-class Want:
-    broker: str  # the waiting broker's id (unique per broker process)
-    since: float  # when its oldest waiting task was queued (wall clock)
-    need: int  # GPUs it still needs beyond what it can lock now
-    gpus: frozenset[str]  # UUIDs it may use that it cannot lock now
-    who: str = ""  # user@host pid N, for messages
-    spec: str = ""
-
-    def key(self) -> tuple[float, str]:
-        return (self.since, self.broker)
 
 
 @dataclass(frozen=True)
@@ -117,13 +110,27 @@ def _yieldable(holding: Holding) -> bool:
     return holding.state == "idle" or (holding.spare and holding.state == "starting")
 
 
-def may_take(uuid: str, since: float, me: str, wants: Sequence[Want]) -> bool:
-    """May this broker lock ``uuid`` for a need that waits since ``since``? Not while an
-    older want of another broker names it."""
-    return not any(uuid in w.gpus and w.key() < (since, me) for w in wants if w.broker != me)
-
-
 def shortfall(world_size: int, lockable: int, freeing: int) -> int:
     """GPUs still missing for a group of ``world_size``: beyond those this broker can lock
     now and those its own stopping groups are about to return."""
     return max(0, world_size - lockable - freeing)
+
+
+def step(plan: Plan) -> None:
+    snap = plan.snapshot
+    if not snap.foreign:
+        return
+    by_uuid = {g.id: g for g in plan.groups.values() if g.gpus}
+    mine = [
+        Holding(
+            g.id,
+            frozenset(snap.uuids.get(gpu, gpu) for gpu in g.gpus),
+            g.state,
+            g.spare,
+            g.last_used,
+        )
+        for g in by_uuid.values()
+    ]
+    for group_id, want in to_yield(snap.foreign, mine, plan.wants_since()):
+        waited = f"{want.spec or 'a GPU task'}, waiting {snap.wall - want.since:.1f}s"
+        plan.yield_group(by_uuid[group_id], f"yielded its GPUs to {want.who} ({waited})")

@@ -1,0 +1,51 @@
+"""Step 2, affinity: queued tasks go to idle groups of their spec.
+
+Specs in the order their oldest task was queued, each spec's tasks in queue order (per
+client round-robin, :mod:`cpq.broker.queues`). Which idle group: the one that last ran the
+task's affinity key (:mod:`~cpq.broker.placement.history` says why), else the most recently
+used one; a spare (a group that has run no task) only when no used group is idle, or first
+for a task whose last group found its code changed (``fresh``: the other used groups
+loaded the same code); with ``own_groups`` only a group that served no other session.
+
+A CPU task takes its group only when its ranks find cores (busy ranks within
+``--max-ranks``); otherwise it waits, and so does every younger CPU task (the oldest want is
+served first: a stream of small tasks cannot starve a wide one).
+"""
+
+from __future__ import annotations
+
+from cpq.broker.placement.plan import Plan
+from cpq.broker.placement.view import GroupView
+
+
+def step(plan: Plan) -> None:
+    for queue in plan.snapshot.queues:
+        spec = queue.spec
+        for task in list(plan.pending.get(spec, ())):
+            own = task.session if task.own_groups else None
+            preferred = plan.snapshot.history.group_for(spec, task.affinity)
+            group = pick_idle(plan.idle(spec), preferred, task.fresh, own)
+            if group is None:
+                break
+            if plan.is_cpu(spec) and (plan.cores_reserved or not plan.cores_free_for(spec)):
+                plan.cores_reserved = True
+                break
+            plan.run(spec, task, group)
+
+
+def pick_idle(
+    idle: list[GroupView], preferred: str, fresh: bool, own_session: str | None = None
+) -> GroupView | None:
+    """Which of a spec's idle groups takes the next task (see the module docstring)."""
+    if own_session is not None:
+        idle = [g for g in idle if g.sessions <= {own_session}]
+    spares = [g for g in idle if g.spare]
+    if fresh and spares:
+        return spares[0]
+    used = [g for g in idle if not g.spare]
+    if not used:
+        return spares[0] if spares else None
+    for group in used:
+        if group.id == preferred:
+            return group
+    return max(used, key=lambda g: g.last_used)
