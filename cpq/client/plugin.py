@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Generator, Hashable
 from typing import Any
 
 import pytest
 
 from cpq import paths, protocol
-from cpq.client import items, launches, pdb_relay, reruns, timeouts
+from cpq.client import items, launches, ordering, pdb_relay, reruns, timeouts
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,
@@ -69,6 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     reruns.add_options(parser, group)
     items.add_options(parser, group)
     launches.add_options(parser, group)
+    ordering.add_options(parser, group)
     pdb_relay.add_options(group)
     parser.addini(
         "cpq_own_groups", "only groups that served no other session", type="bool", default=False
@@ -244,6 +245,22 @@ def _may_deselect(config: pytest.Config) -> bool:
         or getattr(option, "lf", False)
         or getattr(option, "stepwise", False)
     )
+
+
+@pytest.hookimpl(trylast=True)  # after any plugin that reorders (pytest-randomly)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run a session's tests grouped by the spec they need (:mod:`cpq.client.ordering`)."""
+    if config.stash[SESSION_KEY].under_launcher or ordering.keep_order(config):
+        return
+
+    def spec_of(item: pytest.Item) -> Hashable:
+        try:
+            args = _pool_args(item)
+            return None if args is None else (args[0], tuple(sorted((args[2] or {}).items())))
+        except (pytest.UsageError, TypeError, AttributeError):
+            return None  # a bad marker: reported when the test runs
+
+    items[:] = ordering.grouped(items, spec_of)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

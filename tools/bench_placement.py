@@ -1,0 +1,192 @@
+"""A suite of mixed world sizes on the default budget, side by side in one run (issue 29).
+
+A generated project of ``--cases`` x 3 tests written for ``torchrun -m pytest`` (a session
+fixture that calls ``init_process_group``; each test one gloo ``all_reduce``), whose world
+sizes 1, 2 and 4 alternate in collection order. Modes, each on its own state directory and
+the broker the plugin autostarts with its default options (what a new user gets):
+
+* ``torchrun``: the fresh reference, one ``torchrun --nproc-per-node N -m pytest -k wsN-``
+  per world size, the walls summed;
+* ``cpq``: this code, two sessions (cold: the broker and its groups start; warm: a second
+  ``pytest`` on the same broker);
+* ``cpq-keep-order``: the same with ``--cpq-keep-order`` (tests alternate world sizes: the
+  budget alone, without grouping by spec);
+* ``before`` (with ``--before DIR``, a checkout of the cpq package before issue 29): two
+  sessions of that code.
+
+For each session: wall time (around the ``pytest`` process), tests passed, groups the
+broker started during it (``cpq-status --json`` totals, taken before and after) and groups
+evicted (broker log lines). ``--json`` writes every figure.
+
+    python tools/bench_placement.py [--cases 12] [--before .bench-before] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchkit import ROOT, child_env
+
+CONFTEST = """
+import os
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_group():
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    yield
+"""
+
+TESTS = """
+import pytest
+import torch
+import torch.distributed as dist
+
+CASES = [
+    pytest.param(ws, i, id=f"ws{{ws}}-{{i}}", marks=pytest.mark.cpq(world_size=ws))
+    for i in range({cases})
+    for ws in (1, 2, 4)
+]
+
+
+@pytest.mark.parametrize(("ws", "i"), CASES)
+def test_all_reduce(ws, i):
+    assert dist.get_world_size() == ws
+    t = torch.full((64,), float(dist.get_rank() + i))
+    dist.all_reduce(t)
+    assert t[0].item() == sum(range(ws)) + ws * i
+"""
+
+
+def passed(output: str) -> int:
+    match = re.search(r"(\d+) passed", output)
+    return int(match[1]) if match else 0
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 900) -> tuple[float, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        print(output[-3000:], file=sys.stderr)
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}")
+    return wall, output
+
+
+def status(env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    _, out = run([sys.executable, "-m", "cpq", "status", "--json"], cwd, env, 60)
+    return dict(json.loads(out))
+
+
+def torchrun_mode(project: Path, env: dict[str, str]) -> dict[str, Any]:
+    walls, count = [], 0
+    for ws in (1, 2, 4):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ws)]
+        cmd += [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "-k",
+            f"ws{ws}-",
+        ]
+        wall, out = run(cmd, project, env)
+        walls.append(wall)
+        count += passed(out)
+    return {"sessions": [{"wall_s": sum(walls), "passed": count, "per_world_size_s": walls}]}
+
+
+def cpq_mode(project: Path, env: dict[str, str], state: Path, extra: list[str]) -> dict[str, Any]:
+    env = dict(env, CPQ_STATE_DIR=str(state))
+    sessions = []
+    started_before = 0
+    try:
+        for _ in range(2):
+            cmd = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:randomly",
+                *extra,
+            ]
+            wall, out = run(cmd, project, env)
+            totals = status(env, project)["totals"]
+            log = (state / "logs" / "broker.log").read_text()
+            sessions.append(
+                {
+                    "wall_s": wall,
+                    "passed": passed(out),
+                    "groups_started": totals["groups_started"] - started_before,
+                    "evictions_so_far": log.count("evicting "),
+                }
+            )
+            started_before = totals["groups_started"]
+    finally:
+        subprocess.run([sys.executable, "-m", "cpq", "stop"], cwd=project, env=env, timeout=60)
+    return {"sessions": sessions}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=12, help="tests per world size")
+    parser.add_argument("--before", type=Path, help="a cpq checkout to compare with")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-placement-"))
+    project = work / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text(textwrap.dedent(CONFTEST))
+    (project / "test_mixed.py").write_text(textwrap.dedent(TESTS.format(cases=args.cases)))
+    env = child_env()
+    env.update(OMP_NUM_THREADS="1")
+    results: dict[str, Any] = {
+        "cases": 3 * args.cases,
+        "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    results["torchrun"] = torchrun_mode(project, env)
+    results["cpq"] = cpq_mode(project, env, work / "state-cpq", [])
+    results["cpq-keep-order"] = cpq_mode(project, env, work / "state-keep", ["--cpq-keep-order"])
+    if args.before is not None:
+        before_env = dict(env, PYTHONPATH=f"{args.before.resolve()}{os.pathsep}{ROOT}")
+        results["before"] = cpq_mode(project, before_env, work / "state-before", [])
+    print(f"{results['cases']} tests (world sizes 1, 2, 4 alternating), {results['cores']} cores")
+    print(f"{'mode':<16}{'session':<9}{'wall s':>8}{'passed':>8}{'started':>9}{'evictions':>11}")
+    for mode in ("torchrun", "cpq", "cpq-keep-order", "before"):
+        for n, session in enumerate(results.get(mode, {}).get("sessions", [])):
+            name = "fresh" if mode == "torchrun" else ("cold", "warm")[n]
+            print(
+                f"{mode:<16}{name:<9}{session['wall_s']:>8.1f}{session['passed']:>8}"
+                f"{session.get('groups_started', '-'):>9}{session.get('evictions_so_far', '-'):>11}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
