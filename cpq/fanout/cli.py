@@ -50,7 +50,8 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-id",
         default=None,
         help="merge only this run's results (CPQ_RUN_ID of the shards); results of other "
-        "runs are listed and ignored. Without it, results of several runs are exit 2",
+        "runs are listed and ignored, and a run none of whose shards wrote is exit 2. "
+        "Without it, results of several runs are exit 2",
     )
     from cpq.timeline.command import add_output_arguments
 
@@ -69,7 +70,8 @@ def run_merge(args: argparse.Namespace) -> int:
     started = time.monotonic()
     clear_outputs(args)
     try:
-        manifests = [manifest.read(p) for p in manifest.find(args.inputs)]
+        found = manifest.find(args.inputs, empty_ok=args.run_id is not None)
+        manifests = [manifest.read(p) for p in found]
         if args.durations is not None:
             durations.load(args.durations)  # refuse a malformed one before writing anything
     except (manifest.ManifestError, durations.DurationsError) as exc:

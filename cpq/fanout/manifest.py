@@ -269,13 +269,15 @@ def attempt_timeline(index: int, count: int, number: int) -> str:
     return f"{stem(index, count)}.attempt-{number}.timeline.jsonl"
 
 
-def find(inputs: list[Path]) -> list[Path]:
-    """Manifest files named by ``inputs``: files as given, directories' ``shard-*.json``."""
+def find(inputs: list[Path], empty_ok: bool = False) -> list[Path]:
+    """Manifest files named by ``inputs``: files as given, directories' ``shard-*.json``
+    (a directory with none is an error unless ``empty_ok``: the merge of a chosen run, whose
+    shards may all have been cancelled before they wrote)."""
     found: list[Path] = []
     for path in inputs:
         if path.is_dir():
             matches = sorted(path.glob("shard-*-of-*.json"))
-            if not matches:
+            if not matches and not empty_ok:
                 raise ManifestError(f"{path}: no shard manifests (shard-I-of-N.json) in it")
             found += matches
         elif path.exists():
