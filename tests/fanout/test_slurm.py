@@ -189,6 +189,7 @@ def test_wait_gives_the_verdict_and_a_fixed_suite_teaches_the_next_run_to_balanc
     (project / "broken").touch()  # one test fails while it is there
     status, out = finished(submit_waiting(slurm, project, "2", umask=0o027))
     run1 = ids(out)[0]
+    print(f"submit.sh --wait, one test failing: exit {status}\n{out}")
     assert status == 1, out + outputs(project)
     assert "verdict: every collected test ran exactly once; 1 failed (exit 1)" in out, out
     assert f"run {run1}: exit 1; JUnit: {results / 'junit.xml'}" in out, out
