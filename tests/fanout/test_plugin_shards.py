@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ FAIL_SEVEN = False
 """
 
 
-def manifests(directory: Path) -> list[dict[str, object]]:
+def manifests(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("shard-*.json"))]
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,8 +165,11 @@ def merge_here(results: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def manifest(project: Path, index: int) -> dict[str, object]:
-    return json.loads((project / "results" / f"shard-{index}-of-2.json").read_text())
+def manifest(project: Path, index: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(
+        (project / "results" / f"shard-{index}-of-2.json").read_text()
+    )
+    return data
 
 
 def outputs(project: Path) -> str:
@@ -212,7 +216,7 @@ def test_wait_gives_the_verdict_and_a_fixed_suite_teaches_the_next_run_to_balanc
     assert status == 0, out + outputs(project)
     assert "every collected test ran exactly once and passed (exit 0)" in out, out
     assert run2 != run1 and {manifest(project, i)["run_id"] for i in (0, 1)} == {run2}
-    walls = [float(manifest(project, i)["wall_s"]) for i in (0, 1)]  # type: ignore[arg-type]
+    walls = [float(manifest(project, i)["wall_s"]) for i in (0, 1)]
     print(f"second run's shard walls: {walls}, max/min {max(walls) / min(walls):.2f}")
     assert max(walls) / min(walls) <= 1.25, (walls, out)
 
@@ -233,7 +237,7 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
     assert status == 0, out + outputs(project)
     for index, spec_test in enumerate(("test_a", "test_b")):
         kept = manifest(project, index)["selected"]
-        assert kept and all(spec_test in t for t in kept), kept  # type: ignore[attr-defined]
+        assert kept and all(spec_test in t for t in kept), kept
         groups = list(run_logs(project, run1).glob(f"shard-{index}-of-2-*/group-*-agent.log"))
         assert len(groups) == 1, groups
     assert (results / "junit.xml").exists()
@@ -292,9 +296,9 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
     status, out = verdict(slurm, project, run2, merge3)
     assert status == 2, out
     data = manifest(project, 1)
-    ran, owed = data["tests"], [t for t in data["selected"] if t not in data["tests"]]  # type: ignore[attr-defined,operator]
+    ran, owed = data["tests"], [t for t in data["selected"] if t not in data["tests"]]
     assert 0 < len(owed) < 6 and f"MISSING ({len(owed)}): {', '.join(owed)}" in out, out
-    assert float(data["wall_s"]) >= 0.4 * len(ran) and data["spawns"] == 1, data  # type: ignore[arg-type]
+    assert float(data["wall_s"]) >= 0.4 * len(ran) and data["spawns"] == 1, data
     row = re.search(rf"^  1/2 +n\S+ +{len(ran)}/6 +0 +([0-9.]+) +1 .*UNFINISHED$", out, re.M)
     assert row and float(row.group(1)) > 0, out
     wait_done(slurm, rerun)
@@ -309,7 +313,7 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
     html = project / "timeline.html"
     final = merge_here(results, "--run-id", run2, "--timeline", str(html))
     assert final.returncode == 0, final.stdout + final.stderr + outputs(project)
-    (lost,) = manifest(project, 1)["attempts"]  # type: ignore[misc]
+    (lost,) = manifest(project, 1)["attempts"]
     assert (lost["restart_count"], lost["complete"], lost["tests"]) == (0, False, len(ran))
     assert re.search(rf"^   attempt 0 +n\S+ +{len(ran)} .* 0 +lost$", final.stdout, re.M), (
         final.stdout
