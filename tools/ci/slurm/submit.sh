@@ -18,6 +18,7 @@
 # (cpq-shard-<array>_<task>.out, cpq-merge-<job>.out), beside the shards' broker and rank
 # logs; the merge job leaves its exit status there too (cpq-merge-<job>.status), which is
 # what --wait reads: it needs no Slurm accounting. SBATCH_WAIT=1 means --wait.
+# --wait looks at the queue every CPQ_POLL_S seconds (default 5). Usage errors are exit 4.
 # Prints the run id, the jobs' ids and the logs directory. See docs/fanout.md, "Slurm".
 set -euo pipefail
 trap 'echo "submit.sh: line $LINENO failed: no verdict (exit 3)" >&2; exit 3' ERR
@@ -26,6 +27,7 @@ usage="usage: submit.sh [--wait] [--shard I] [--SBATCH-OPTION=VALUE...] N [pytes
 wait=${SBATCH_WAIT:+yes}
 unset SBATCH_WAIT CPQ_SHARD  # sbatch must not block on the array: the wait is ours
 rerun=""
+asked_rerun=""
 cluster=()
 read -ra common <<<"${CPQ_SBATCH_ARGS:-}"
 read -ra shard_opts <<<"${CPQ_SHARD_SBATCH_ARGS:-}"
@@ -33,7 +35,11 @@ read -ra merge_opts <<<"${CPQ_MERGE_SBATCH_ARGS:-}"
 while [[ "${1:-}" == -* ]]; do
     case $1 in
         --wait) wait=yes ;;
-        --shard) rerun=${2:?$usage} && shift ;;
+        --shard)
+            [[ $# -ge 2 ]] || { echo "$usage" >&2 && exit 4; }
+            rerun=$2 asked_rerun=yes
+            shift
+            ;;
         --?*=*) cluster+=("$1") ;;
         *) echo "$usage" >&2 && exit 4 ;;
     esac
@@ -45,7 +51,7 @@ if [[ -z "${CPQ_RESULTS:-}" ]]; then
     echo "submit.sh: set CPQ_RESULTS to a directory every node can write" >&2
     exit 4
 fi
-if ! [[ "$shards" =~ ^[1-9][0-9]*$ ]] || { [[ -n "$rerun" ]] &&
+if ! [[ "$shards" =~ ^[1-9][0-9]*$ ]] || { [[ -n "$asked_rerun" ]] &&
     ! { [[ "$rerun" =~ ^[0-9]+$ ]] && (( rerun < shards )); }; }; then
     echo "$usage (0 <= I < N)" >&2
     exit 4
