@@ -9,6 +9,11 @@ writes nothing either: its durations would teach the next partition from part of
 and a merged JUnit file of part of a suite reads as a green run to a CI that shows it.
 An error of the merge itself (a bug, not the input) is exit 3, so that no CI reads it as
 "a test failed" (1).
+
+What the merge writes belongs to the run it judged: it first removes the JUnit, trace and
+timeline files it was asked to write, so a merge that writes none (exit 2, 3, 4) leaves no
+file of an earlier run where a CI step would publish it as this run's. The durations file
+is not a run's: it is what every run so far taught the partition, updated, never removed.
 """
 
 from __future__ import annotations
@@ -45,17 +50,28 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-id",
         default=None,
         help="merge only this run's results (CPQ_RUN_ID of the shards); results of other "
-        "runs are listed and ignored. Without it, results of several runs are exit 2",
+        "runs are listed and ignored, and a run none of whose shards wrote is exit 2. "
+        "Without it, results of several runs are exit 2",
     )
     from cpq.timeline.command import add_output_arguments
 
     add_output_arguments(parser)  # --trace/--timeline: every shard's groups on one axis
 
 
+def clear_outputs(args: argparse.Namespace) -> None:
+    """Remove the per-run files this merge was asked for (see the module docstring)."""
+    for path in (args.junit, args.trace, args.timeline):
+        if path is not None and path.is_file():
+            path.unlink()
+            print(f"removed {path} (an earlier merge's): this merge writes its own or none")
+
+
 def run_merge(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    clear_outputs(args)
     try:
-        manifests = [manifest.read(p) for p in manifest.find(args.inputs)]
+        found = manifest.find(args.inputs, empty_ok=args.run_id is not None)
+        manifests = [manifest.read(p) for p in found]
         if args.durations is not None:
             durations.load(args.durations)  # refuse a malformed one before writing anything
     except (manifest.ManifestError, durations.DurationsError) as exc:
@@ -69,10 +85,7 @@ def run_merge(args: argparse.Namespace) -> int:
     if args.trace or args.timeline:
         from cpq.timeline.command import merge_pictures
 
-        shards = [
-            (Path(m.path), f"shard {m.index}/{m.count} {m.hostname}") for m in report.manifests
-        ]
-        if merge_pictures(shards, args.trace, args.timeline):
+        if merge_pictures(pictured(report.manifests), args.trace, args.timeline):
             return EXIT_USAGE
     try:
         if args.junit is not None:
@@ -86,6 +99,25 @@ def run_merge(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"merged in {time.monotonic() - started:.3f}s")
     return report.exit_code
+
+
+def pictured(manifests: list[manifest.Manifest]) -> list[tuple[Path, str]]:
+    """What the merged timeline draws: each shard, and before it each earlier attempt of it
+    that left a timeline (a requeued shard's lost attempt took time on a node too). Given
+    as the manifest path the timeline file lies beside (``cpq.timeline.command.shard_file``)."""
+    shards: list[tuple[Path, str]] = []
+    for m in manifests:
+        path = Path(m.path)
+        for n, attempt in enumerate(m.attempts):
+            if attempt.timeline:
+                fate = "finished, replaced" if attempt.complete else "lost"
+                label = f"shard {m.index}/{m.count} {attempt.hostname} attempt {n} ({fate})"
+                beside = path.with_name(attempt.timeline.removesuffix(".timeline.jsonl") + ".json")
+                shards.append((beside, label))
+            else:
+                print(f"shard {m.index}/{m.count}'s attempt {n} left no timeline")
+        shards.append((path, f"shard {m.index}/{m.count} {m.hostname}"))
+    return shards
 
 
 def main(argv: list[str] | None = None) -> int:

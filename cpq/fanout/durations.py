@@ -52,11 +52,30 @@ def load(path: Path, missing_ok: bool = True) -> dict[str, float]:
     return result
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (``/proc``; else set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json_atomic(path: Path, value: object) -> None:
-    """Write ``value`` as JSON to ``path`` through a temporary file and a rename."""
+    """Write ``value`` as JSON to ``path`` through a temporary file and a rename.
+
+    The file gets the mode any file the user creates gets (``0o666`` less the umask), like
+    the JUnit and timeline files beside it: a temporary file is private (0600), and a
+    teammate reading a run on shared storage must not find half of it unreadable.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(value, handle, indent=1, sort_keys=True)
             handle.write("\n")

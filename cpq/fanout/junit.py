@@ -4,12 +4,18 @@ Why cpq writes its own instead of reusing pytest's ``--junitxml``: the shard's f
 exist whether or not the user asked for one, land under a name the merge can find, and the
 merged file must be built from the same records the exactly-once check reads (one source
 of truth). The shape is the common JUnit subset every CI reader accepts.
+
+Every file names its run (``<testsuites name="cpq run ID">`` and a ``cpq_run_id`` property
+on each suite): a CI that publishes a results directory must be able to tell this run's
+file from one an earlier run left. A test's ``time`` is its own time
+(:attr:`~cpq.fanout.manifest.TestRecord.own_s`): the wait for a group to start is the pool
+spec's spawn, given apart as the ``cpq_spawn_wait_s`` property of the test that waited.
 """
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 
 from cpq.fanout.manifest import Manifest, TestRecord
@@ -35,8 +41,12 @@ def _clean(text: str) -> str:
 def testcase(test_id: str, record: TestRecord) -> ET.Element:
     classname, name = _split(test_id)
     case = ET.Element(
-        "testcase", classname=_clean(classname), name=_clean(name), time=f"{record.wall_s:.3f}"
+        "testcase", classname=_clean(classname), name=_clean(name), time=f"{record.own_s:.3f}"
     )
+    if record.spawn_wait_s:
+        properties = ET.SubElement(case, "properties")
+        wait = f"{record.spawn_wait_s:.3f}"
+        ET.SubElement(properties, "property", name="cpq_spawn_wait_s", value=wait)
     tag = _TAGS.get(record.outcome)
     if tag is not None:
         child = ET.SubElement(case, tag, message=_clean(record.message))
@@ -59,17 +69,30 @@ def testsuite(manifest: Manifest) -> ET.Element:
         time=f"{manifest.wall_s:.3f}",
         hostname=manifest.hostname,
     )
+    properties = ET.SubElement(suite, "properties")
+    for name, value in (
+        ("cpq_run_id", manifest.run_id),
+        ("cpq_shard", f"{manifest.index}/{manifest.count}"),
+        ("cpq_restart_count", str(manifest.restart_count)),
+        ("cpq_spawn_wait_s", f"{manifest.spawn_wait_s:.3f}"),
+    ):
+        ET.SubElement(properties, "property", name=name, value=_clean(value))
     for test_id, record in records:
         suite.append(testcase(test_id, record))
     return suite
 
 
-def write(path: Path, manifests: Iterable[Manifest]) -> None:
-    root = ET.Element("testsuites", name="cpq")
-    for manifest in manifests:
-        root.append(testsuite(manifest))
+def write(path: Path, manifests: Sequence[Manifest]) -> None:
+    """One file of ``manifests`` (of one run, which it names), written atomically."""
+    suites = [testsuite(m) for m in manifests]
+    runs = sorted({m.run_id for m in manifests})
+    root = ET.Element("testsuites", name=_clean(f"cpq run {', '.join(runs) or '?'}"))
+    for key in ("tests", "failures", "errors", "skipped"):
+        root.set(key, str(sum(int(s.get(key, "0")) for s in suites)))
+    root.extend(suites)
     ET.indent(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a fresh file: the user's umask, not a leftover's mode
     ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
     tmp.replace(path)

@@ -55,6 +55,31 @@ class TestRecord:
     #: for ``cpq.run`` does; one the ranks ran through pytest reports their own time only.
     wait_in_wall: bool = True
 
+    @property
+    def own_s(self) -> float:
+        """The test's own seconds: its wall without the wait for a group to start (that wait
+        is the pool spec's spawn, reported apart: ``spawn_wait_s``, the shard's ``spawn_s``).
+        What JUnit ``time``, the slowest-tests list and the next durations file say."""
+        wait = (self.spawn_wait_s or 0.0) if self.wait_in_wall else 0.0
+        return max(0.0, self.wall_s - wait)
+
+
+@dataclass
+class Attempt:
+    """An earlier attempt at this shard in this run (a requeue, a rerun), whose result the
+    current attempt replaced: what it ran, and where its timeline was kept
+    (``shard-I-of-N.attempt-K.timeline.jsonl`` beside the manifest, "" when it left none),
+    so that the merge's summary and timeline still show the time it took."""
+
+    restart_count: int
+    hostname: str
+    started_at: float
+    wall_s: float
+    tests: int
+    complete: bool
+    spawns: int = 0
+    timeline: str = ""
+
 
 @dataclass
 class Manifest:
@@ -78,16 +103,34 @@ class Manifest:
     #: Per pool spec, the seconds this shard waited for its groups to start (measured).
     spawn_s: dict[str, float] = field(default_factory=dict)
     tests: dict[str, TestRecord] = field(default_factory=dict)
+    #: Earlier attempts at this shard in this run, oldest first (see :class:`Attempt`).
+    attempts: list[Attempt] = field(default_factory=list)
     path: str = ""  # where it was read from (not written)
 
     def durations(self) -> dict[str, float]:
-        """What this shard teaches the next partition: each test's seconds without the time
-        it waited for a group to start (that is the spec's spawn cost, ``spawn_s``, which
-        the partition charges once per shard and not to the test that happened to wait)."""
-        return {
-            i: max(0.0, r.wall_s - ((r.spawn_wait_s or 0.0) if r.wait_in_wall else 0.0))
-            for i, r in self.tests.items()
-        }
+        """What this shard teaches the next partition: each test's own seconds
+        (:attr:`TestRecord.own_s`; the wait for a group is the spec's spawn cost,
+        ``spawn_s``, which the partition charges once per shard and not to the test that
+        happened to wait)."""
+        return {i: r.own_s for i, r in self.tests.items()}
+
+    @property
+    def spawn_wait_s(self) -> float:
+        """Seconds this shard waited for groups to start (measured; see ``spawn_s``)."""
+        return sum(self.spawn_s.values())
+
+    def as_attempt(self, timeline: str) -> Attempt:
+        """This result as an earlier attempt of a later one."""
+        return Attempt(
+            restart_count=self.restart_count,
+            hostname=self.hostname,
+            started_at=self.started_at,
+            wall_s=self.wall_s,
+            tests=len(self.tests),
+            complete=self.complete,
+            spawns=self.spawns,
+            timeline=timeline,
+        )
 
     @property
     def retries(self) -> int:
@@ -159,6 +202,9 @@ def from_json(data: object, where: str) -> Manifest:
         raise ManifestError(f"{where}: shard {index}/{count} is not a shard")
     spawn_s = _need(data, "spawn_s", dict, where)
     exitstatus = data.get("exitstatus")
+    attempts = [
+        _attempt(raw, f"{where}: attempt {n}") for n, raw in enumerate(data.get("attempts", []))
+    ]
     return Manifest(
         index=index,
         count=count,
@@ -177,7 +223,24 @@ def from_json(data: object, where: str) -> Manifest:
         spawns=int(_need(data, "spawns", int, where)),
         spawn_s={str(k): float(v) for k, v in spawn_s.items() if isinstance(v, number)},
         tests=tests,
+        attempts=attempts,
         path=where,
+    )
+
+
+def _attempt(raw: object, where: str) -> Attempt:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: expected an object")
+    number = (int, float)
+    return Attempt(
+        restart_count=int(_need(raw, "restart_count", int, where)),
+        hostname=str(raw.get("hostname", "")),
+        started_at=float(_need(raw, "started_at", number, where)),
+        wall_s=float(_need(raw, "wall_s", number, where)),
+        tests=int(_need(raw, "tests", int, where)),
+        complete=bool(_need(raw, "complete", bool, where)),
+        spawns=int(raw.get("spawns", 0)),
+        timeline=str(raw.get("timeline", "")),
     )
 
 
@@ -195,18 +258,26 @@ def read(path: Path) -> Manifest:
 
 def own_files(directory: Path, index: int, count: int) -> list[Path]:
     """Shard ``index`` of ``count``'s result files in ``directory`` (manifest, JUnit, the
-    node's timeline for ``cpq merge --trace``)."""
+    node's timeline for ``cpq merge --trace``, earlier attempts' timelines)."""
     suffixes = (".json", ".xml", ".timeline.jsonl")
-    return [directory / f"{stem(index, count)}{suffix}" for suffix in suffixes]
+    own = [directory / f"{stem(index, count)}{suffix}" for suffix in suffixes]
+    return own + sorted(directory.glob(f"{stem(index, count)}.attempt-*.timeline.jsonl"))
 
 
-def find(inputs: list[Path]) -> list[Path]:
-    """Manifest files named by ``inputs``: files as given, directories' ``shard-*.json``."""
+def attempt_timeline(index: int, count: int, number: int) -> str:
+    """The file name an earlier attempt's timeline is kept under, beside the manifest."""
+    return f"{stem(index, count)}.attempt-{number}.timeline.jsonl"
+
+
+def find(inputs: list[Path], empty_ok: bool = False) -> list[Path]:
+    """Manifest files named by ``inputs``: files as given, directories' ``shard-*.json``
+    (a directory with none is an error unless ``empty_ok``: the merge of a chosen run, whose
+    shards may all have been cancelled before they wrote)."""
     found: list[Path] = []
     for path in inputs:
         if path.is_dir():
             matches = sorted(path.glob("shard-*-of-*.json"))
-            if not matches:
+            if not matches and not empty_ok:
                 raise ManifestError(f"{path}: no shard manifests (shard-I-of-N.json) in it")
             found += matches
         elif path.exists():

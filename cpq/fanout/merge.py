@@ -42,6 +42,9 @@ class MergeReport:
     #: Results of other runs left out because ``--run-id`` picked this one.
     ignored: list[str] = field(default_factory=list)
 
+    #: Results of other runs, when no ``--run-id`` chose one (named as stale: exit 2).
+    stale: list[str] = field(default_factory=list)
+
     @property
     def exit_code(self) -> int:
         if self.problems or self.missing or self.duplicated:
@@ -133,6 +136,8 @@ def _runs(manifests: Sequence[Manifest], report: MergeReport, run_id: str | None
         return
     newest = max(runs, key=lambda r: max(m.started_at for m in runs[r]))
     report.run_id = newest
+    report.manifests = runs[newest]  # the rows and counts are the newest run's only
+    report.stale = [m.path for r, group in runs.items() if r != newest for m in group]
     stale = "; ".join(
         f"run {r}: {', '.join(m.path for m in group)}" for r, group in runs.items() if r != newest
     )
@@ -206,16 +211,10 @@ def _shard_statuses(manifests: Sequence[Manifest], report: MergeReport) -> None:
             )
 
 
-def render(report: MergeReport, top: int = 10) -> str:
-    """The summary ``cpq merge`` prints."""
-    lines = [
-        f"cpq merge: {len(report.manifests)} shard result(s) of run {report.run_id or '?'}, "
-        f"{len(report.collected)} test(s) collected"
-    ]
-    if report.ignored:
-        lines.append(f"ignored (other runs): {_listing(report.ignored)}")
-    header = ("shard", "host", "tests", "failed", "wall s", "spawns", "retries", "restarts", "")
-    rows = [header]
+def _table(report: MergeReport) -> list[str]:
+    """One row per shard, then one per earlier attempt of a shard (a requeue, a rerun)."""
+    header = ("shard", "host", "tests", "failed", "wall s", "spawns", "wait s", "retries")
+    rows = [(*header, "restarts", "")]
     for m in report.manifests:
         failed = sum(r.outcome in ("failed", "error") for r in m.tests.values())
         rows.append(
@@ -226,20 +225,50 @@ def render(report: MergeReport, top: int = 10) -> str:
                 str(failed),
                 f"{m.wall_s:.1f}",
                 str(m.spawns),
+                f"{m.spawn_wait_s:.1f}",
                 str(m.retries),
                 str(m.restart_count),
                 "" if m.complete else "UNFINISHED",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    walls = sorted(
-        ((r.wall_s, t, _label(m)) for m in report.manifests for t, r in m.tests.items()),
+        for n, a in enumerate(m.attempts):
+            where = "finished, replaced" if a.complete else "lost"
+            row = (f" attempt {n}", a.hostname or "?", str(a.tests), "", f"{a.wall_s:.1f}")
+            rows.append((*row, str(a.spawns), "", "", str(a.restart_count), where))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    out = [line.rstrip() for line in out]
+    if any(m.spawn_wait_s for m in report.manifests):
+        out.append("  (wait s: time the shard's tests waited for groups to start, measured)")
+    return out
+
+
+def render(report: MergeReport, top: int = 10) -> str:
+    """The summary ``cpq merge`` prints."""
+    others = f" (and {len(report.stale)} of other runs)" if report.stale else ""
+    lines = [
+        f"cpq merge: {len(report.manifests)} shard result(s) of run {report.run_id or '?'}"
+        f"{others}, {len(report.collected)} test(s) collected"
+    ]
+    if report.ignored:
+        lines.append(f"ignored (other runs): {_listing(report.ignored)}")
+    lines += _table(report)
+    own = sorted(
+        (
+            (r.own_s, t, _label(m), r.spawn_wait_s or 0.0)
+            for m in report.manifests
+            for t, r in m.tests.items()
+        ),
         key=lambda x: (-x[0], x[1]),
     )
-    if walls:
-        lines.append(f"slowest {min(top, len(walls))} test(s):")
-        lines += [f"  {w:8.2f}s  {t}  (shard {s})" for w, t, s in walls[:top]]
+    if own:
+        lines.append(
+            f"slowest {min(top, len(own))} test(s) (own time, without a wait for a group):"
+        )
+        lines += [
+            f"  {w:8.2f}s  {t}  (shard {s}" + (f"; waited {q:.2f}s for a group)" if q else ")")
+            for w, t, s, q in own[:top]
+        ]
     balance = report.balance
     if balance is not None:
         complete = [m.wall_s for m in report.manifests if m.complete]

@@ -30,8 +30,9 @@ from typing import Any
 
 import pytest
 
-from cpq.fanout import durations, junit, runid
-from cpq.fanout.manifest import Manifest, ManifestError, TestRecord, own_files, read, stem
+from cpq.fanout import brokerargs, durations, junit, runid
+from cpq.fanout.attempts import TimelineTail, carry_over, timeline_file
+from cpq.fanout.manifest import Attempt, Manifest, ManifestError, TestRecord, own_files, read, stem
 from cpq.fanout.shard import (
     SPAWN_PREFIX,
     ShardError,
@@ -175,6 +176,8 @@ class FanoutPlugin:
         self.specs: dict[str, str] = {}
         self.recorded: dict[str, float] = {}  # the durations file the partition read
         self.groups_started: Callable[[], int] = lambda: 0  # set by register()
+        self.attempts: list[Attempt] = []  # this run's earlier attempts at this shard
+        self.tail: TimelineTail | None = None
 
     @property
     def active(self) -> bool:
@@ -188,12 +191,12 @@ class FanoutPlugin:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """A shard clears its own earlier result files (an earlier run's, or its own before
         a requeue): until it writes again, the merge sees this shard as missing, never as
-        the stale result of another run."""
+        the stale result of another run. What an earlier attempt of this run left is kept
+        as an attempt (:mod:`cpq.fanout.attempts`)."""
         if self.results is None or self.is_worker:
             return
         index, count = (self.shard.index, self.shard.count) if self.shard else (0, 1)
-        for path in own_files(self.results, index, count):
-            path.unlink(missing_ok=True)
+        self.attempts = carry_over(self.results, index, count, self.run_id)
 
     # ----------------------------------------------------------------- collection
 
@@ -214,6 +217,8 @@ class FanoutPlugin:
         self.recorded = recorded
         shards = partition(tests, count, recorded) if self.shard else [collected]
         keep = set(shards[index])
+        if self.shard is not None:  # before the warm-up after collection autostarts it
+            brokerargs.configure_spares(os.environ, [self.specs.get(i) for i in keep])
         deselected = [item for item in items if item.nodeid not in keep]
         if deselected:
             config.hook.pytest_deselected(items=deselected)
@@ -230,6 +235,7 @@ class FanoutPlugin:
             hostname=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
             restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             started_at=self.started_at,
+            attempts=list(self.attempts),
         )
         workeroutput = getattr(config, "workeroutput", None)
         if workeroutput is not None:
@@ -247,6 +253,7 @@ class FanoutPlugin:
         if self.manifest is None:
             self.manifest = from_json(data, "xdist worker")
             self.manifest.run_id = self.run_id
+            self.manifest.attempts = list(self.attempts)  # the controller carried them
 
     def _share_from_disk(self) -> None:
         """Under xdist the controller collects nothing: it takes the share the first worker
@@ -260,6 +267,7 @@ class FanoutPlugin:
             return
         if found.run_id == self.run_id and not found.complete:
             self.manifest = found
+            found.attempts = list(self.attempts)  # the controller carried them
 
     # ----------------------------------------------------------------- reports
 
@@ -284,7 +292,30 @@ class FanoutPlugin:
         done = {i: r for i, r in self.records.items() if i in selected}
         self.manifest.tests = done
         self.manifest.spawn_s = self._spawn_costs()
+        # What it took so far, so a shard killed before its end still shows its time:
+        self.manifest.wall_s = round(now - self.t0, 3)
+        self.manifest.spawns = self.groups_started()
         self.manifest.write(self.results)
+        self._tail_timeline(self.manifest, self.results)
+
+    def _tail_timeline(self, manifest: Manifest, results: Path) -> None:
+        """Append the node's new timeline records to the shard's timeline file (the export
+        at the session's end rewrites it whole): a killed shard keeps its picture."""
+        if self.tail is None:
+            from cpq import paths
+            from cpq.timeline.records import timeline_path
+            from cpq.timings import TIMINGS_FILE
+
+            out = timeline_file(results, manifest.index, manifest.count)
+            source = timeline_path(paths.state_dir() / TIMINGS_FILE)
+            self.tail = TimelineTail(source, out, manifest.started_at)
+        try:
+            self.tail.flush()
+        except OSError as exc:
+            self.config.issue_config_time_warning(
+                pytest.PytestWarning(f"cpq: could not append to the timeline: {exc}"),
+                stacklevel=2,
+            )
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:

@@ -201,7 +201,11 @@ class SlurmCluster:
     # ----------------------------------------------------------------- jobs
 
     def run(
-        self, *command: str, env: Mapping[str, str] | None = None, cwd: Path | None = None
+        self,
+        *command: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        umask: int = -1,
     ) -> str:
         result = subprocess.run(
             command,
@@ -210,6 +214,7 @@ class SlurmCluster:
             text=True,
             timeout=60,
             cwd=cwd,
+            umask=umask,
         )
         if result.returncode:
             raise AssertionError(f"{' '.join(command)} -> {result.returncode}: {result.stderr}")

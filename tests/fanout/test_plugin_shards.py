@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +37,7 @@ FAIL_SEVEN = False
 """
 
 
-def manifests(directory: Path) -> list[dict[str, object]]:
+def manifests(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("shard-*.json"))]
 
 
@@ -135,7 +137,8 @@ def test_b():
     time.sleep(1.2)  # past the manifest's batching interval: a and b are on disk after it
 
 def test_c():
-    os._exit(1)  # the node dies: no session end, no final manifest
+    if not os.path.exists("fixed"):
+        os._exit(1)  # the node dies: no session end, no final manifest
 
 def test_d():
     pass
@@ -157,6 +160,18 @@ def test_a_killed_shard_keeps_what_it_ran_and_no_earlier_result(
     assert data["run_id"] == "run-1" and data["complete"] is False
     assert sorted(data["tests"]) == ["test_suite.py::test_a", "test_suite.py::test_b"]
     assert not (results / "shard-0-of-1.xml").exists()  # the earlier run's, cleared at start
+    assert data["wall_s"] >= 1.2 and data["spawns"] == 0  # what it ran, until its last write
     assert cli.main([str(results)]) == 2
     out = capsys.readouterr().out
     assert "MISSING (2): test_suite.py::test_c, test_suite.py::test_d" in out
+    assert re.search(r"^  0/1 +\S+ +2/4 +0 +1\.[2-9] .*UNFINISHED$", out, re.M), out
+
+    # The shard again, in the same run (a requeue): it replaces the result, and the lost
+    # attempt stays in the summary.
+    (pytester.path / "fixed").touch()
+    run = pytester.runpytest_subprocess(*BASE, "--cpq-shard=0/1", f"--cpq-results={results}")
+    assert run.ret == 0
+    ((data,),) = (manifests(results),)
+    assert [(a["tests"], a["complete"]) for a in data["attempts"]] == [(2, False)]
+    assert cli.main([str(results)]) == 0
+    assert re.search(r"^   attempt 0 +\S+ +2 .* lost$", capsys.readouterr().out, re.M)

@@ -5,15 +5,19 @@ and ``cpq-merge.sbatch`` (the verdict, after the array) exactly as a user would;
 autostarts its node's own broker (state under the job's ``TMPDIR``). The jobs get a clean
 environment: nothing of this session's broker (``CPQ_ENDPOINT``, ``CPQ_STATE_DIR``) or of
 pytest reaches them, and no durations path or run id is set by hand: the templates' own
-defaults are what is tested.
+defaults are what is tested. ``submit.sh --wait`` is run as a CI step would run it: its exit
+status and what it prints are the verdict.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +29,7 @@ PYTEST_ARGS = ("-p", "cpq.client.plugin", "-p", "no:cacheprovider", "-q", "test_
 
 #: The closing figure's suite: tests of 2 s, 1 s and 0.2 s on warm ws=1 groups.
 BALANCE_SUITE = """
+import os
 import time
 
 import pytest
@@ -43,7 +48,7 @@ def test_work(n):
 
 @pytest.mark.parametrize("n", range(4))
 def test_local(n):
-    assert n < 4
+    assert not (n == 3 and os.path.exists("broken")), "the suite is broken"
 """
 BALANCE_SECONDS = [2.0, 2.0, 1.0, 1.0, 1.0] + [0.2] * 10
 
@@ -97,24 +102,57 @@ def job_env(cluster: SlurmCluster, project: Path, **extra: str) -> dict[str, str
     }
 
 
-def submit(cluster: SlurmCluster, project: Path, *args: str, **env: str) -> tuple[str, str, str]:
+def ids(out: str) -> tuple[str, str, str]:
+    """(run id, array job, merge job) from what submit.sh printed."""
+    words = out.split()
+    run, array, merge = (words[words.index(key) + 1] for key in ("run:", "shards:", "merge:"))
+    return run, array, merge
+
+
+def submit(
+    cluster: SlurmCluster, project: Path, *args: str, umask: int = -1, **env: str
+) -> tuple[str, str, str]:
     """``submit.sh ARGS pytest-args`` from the project directory: (run id, array, merge)."""
     out = cluster.run(
         str(SLURM / "submit.sh"), *args, *PYTEST_ARGS, env=job_env(cluster, project, **env),
-        cwd=project,
+        cwd=project, umask=umask,
     )  # fmt: skip
-    words = out.split()
-    return words[words.index("run:") + 1], words[words.index("shards:") + 1], words[-1]
+    return ids(out)
+
+
+def submit_waiting(
+    cluster: SlurmCluster, project: Path, *args: str, umask: int = -1, **env: str
+) -> subprocess.Popen[str]:
+    """``submit.sh --wait ARGS pytest-args`` started, as a CI step runs it (without the
+    option when ``SBATCH_WAIT`` is in ``env``: that variable asks for the wait)."""
+    flag = [] if "SBATCH_WAIT" in env else ["--wait"]
+    return subprocess.Popen(
+        [str(SLURM / "submit.sh"), *flag, *args, *PYTEST_ARGS],
+        env={**cluster.env, **job_env(cluster, project, CPQ_POLL_S="0.5", **env)},
+        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=umask,
+    )  # fmt: skip
+
+
+def finished(step: subprocess.Popen[str], first: str = "") -> tuple[int, str]:
+    """The exit status and the whole output of a ``submit.sh --wait`` step."""
+    out, _ = step.communicate(timeout=180)
+    return step.returncode, first + out
 
 
 def wait_done(cluster: SlurmCluster, job: str, within: float = 120) -> None:
     wait_until(f"end of job {job}", lambda: not cluster.queue(job), within=within, every=0.25)
 
 
-def verdict(cluster: SlurmCluster, project: Path, merge_job: str) -> tuple[int, str]:
-    """The merge job's exit status and output, once it has ended."""
+def run_logs(project: Path, run: str) -> Path:
+    return project / "results" / "logs" / run
+
+
+def verdict(cluster: SlurmCluster, project: Path, run: str, merge_job: str) -> tuple[int, str]:
+    """The merge job's exit status (as it left it in the run's logs) and output."""
     wait_done(cluster, merge_job)
-    return cluster.exit_code(merge_job), (project / f"cpq-merge-{merge_job}.out").read_text()
+    logs = run_logs(project, run)
+    status = (logs / f"cpq-merge-{merge_job}.status").read_text()
+    return int(status), (logs / f"cpq-merge-{merge_job}.out").read_text()
 
 
 def merge_here(results: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -127,34 +165,58 @@ def merge_here(results: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def manifest(project: Path, index: int) -> dict[str, object]:
-    return json.loads((project / "results" / f"shard-{index}-of-2.json").read_text())
+def manifest(project: Path, index: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(
+        (project / "results" / f"shard-{index}-of-2.json").read_text()
+    )
+    return data
 
 
 def outputs(project: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted(project.glob("*.out")))
+    return "\n".join(p.read_text() for p in sorted(project.rglob("*.out")))
 
 
-def test_a_first_run_teaches_the_second_to_balance_with_no_variable_set(
+def modes(*roots: Path) -> dict[str, str]:
+    """Permission bits of every file and directory under ``roots``, by kind."""
+    found: dict[str, set[str]] = {"file": set(), "dir": set()}
+    for root in roots:
+        for path in [root, *root.rglob("*")] if root.is_dir() else [root]:
+            found["dir" if path.is_dir() else "file"].add(oct(path.stat().st_mode & 0o777))
+    return {kind: ",".join(sorted(bits)) for kind, bits in found.items()}
+
+
+def test_wait_gives_the_verdict_and_a_fixed_suite_teaches_the_next_run_to_balance(
     slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     project = make_project(tmp_path_factory, BALANCE_SUITE)
-    run1, _, merge1 = submit(slurm, project, "2")
-    status, out = verdict(slurm, project, merge1)
-    assert status == 0, out + outputs(project)
-    assert f"of run {run1}" in out and "every collected test ran exactly once" in out
+    results = project / "results"
+    (project / "broken").touch()  # one test fails while it is there
+    status, out = finished(submit_waiting(slurm, project, "2", umask=0o027))
+    run1 = ids(out)[0]
+    print(f"submit.sh --wait, one test failing: exit {status}\n{out}")
+    assert status == 1, out + outputs(project)
+    assert "verdict: every collected test ran exactly once; 1 failed (exit 1)" in out, out
+    assert f"run {run1}: exit 1; JUnit: {results / 'junit.xml'}" in out, out
+    assert ET.parse(results / "junit.xml").getroot().get("name") == f"cpq run {run1}"
     learned = json.loads((project / ".cpq" / "durations.json").read_text())  # shards' default
     for n, seconds in enumerate(BALANCE_SECONDS):  # the measured spawn wait is not a test's
         # (a group's first task also imports the test module and pytest on the rank: < 1 s)
         assert seconds <= learned[f"test_suite.py::test_work[{n}]"] < seconds + 1.0, learned
     assert learned["cpq:spawn:ws1"] > 0
-    assert len(list(project.glob("results/logs/*/shard-*/group-*-agent.log"))) >= 2  # kept
+    logs = run_logs(project, run1)
+    assert len(list(logs.glob("shard-*/group-*-agent.log"))) >= 2  # kept
+    assert sorted(p.name for p in logs.glob("*.out"))[-1].startswith("cpq-shard-"), "job output"
+    assert not list(project.glob("*.out"))  # none in the checkout
+    # A teammate (the group) can read every file of the run, as the umask says: 027.
+    assert modes(results, project / ".cpq") == {"file": "0o640", "dir": "0o750"}
 
-    run2, _, merge2 = submit(slurm, project, "2")
-    status, out = verdict(slurm, project, merge2)
+    (project / "broken").unlink()
+    status, out = finished(submit_waiting(slurm, project, "2"))
+    run2 = ids(out)[0]
     assert status == 0, out + outputs(project)
+    assert "every collected test ran exactly once and passed (exit 0)" in out, out
     assert run2 != run1 and {manifest(project, i)["run_id"] for i in (0, 1)} == {run2}
-    walls = [float(manifest(project, i)["wall_s"]) for i in (0, 1)]  # type: ignore[arg-type]
+    walls = [float(manifest(project, i)["wall_s"]) for i in (0, 1)]
     print(f"second run's shard walls: {walls}, max/min {max(walls) / min(walls):.2f}")
     assert max(walls) / min(walls) <= 1.25, (walls, out)
 
@@ -166,27 +228,31 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
     (project / ".cpq").mkdir()
     (project / ".cpq" / "durations.json").write_text(json.dumps(SPLIT_DURATIONS))
     ks = ("-k", "not wide")
-    broker = {"CPQ_BROKER_ARGS": "--spares 0"}
     results = project / "results"
 
-    # Run 1: each shard's collection starts only the group of the spec it keeps.
-    run1, _, merge1 = submit(slurm, project, "2", *ks, **broker)
-    status, out = verdict(slurm, project, merge1)
+    # Run 1: each shard's collection starts only the group of the spec it keeps, and its
+    # broker no spare (the shard's tests would never use one: nothing set by hand).
+    run1, _, merge1 = submit(slurm, project, "2", *ks)
+    status, out = verdict(slurm, project, run1, merge1)
     assert status == 0, out + outputs(project)
     for index, spec_test in enumerate(("test_a", "test_b")):
         kept = manifest(project, index)["selected"]
-        assert kept and all(spec_test in t for t in kept), kept  # type: ignore[attr-defined]
-        groups = list(results.glob(f"logs/{run1}/shard-{index}-of-2-*/group-*-agent.log"))
+        assert kept and all(spec_test in t for t in kept), kept
+        groups = list(run_logs(project, run1).glob(f"shard-{index}-of-2-*/group-*-agent.log"))
         assert len(groups) == 1, groups
+    assert (results / "junit.xml").exists()
 
-    # Run 2 into the same directory; shard 1 is cancelled before it starts, so the file of
-    # shard 1 is still run 1's: never merged as run 2's.
+    # Run 2 into the same directory, waited for; shard 1 is cancelled before it starts, so
+    # the file of shard 1 is still run 1's: never merged as run 2's, and run 1's JUnit goes.
     blocker = slurm.run(
         "sbatch", "--parsable", "--exclusive", "-w", "n2", f"--output={project}/block.log",
         "--wrap", "sleep 300", env={"PATH": "/usr/bin:/bin"},
     ).strip()  # fmt: skip
     wait_until("blocker running", lambda: slurm.queue(blocker) == [(blocker, "RUNNING")], 30)
-    run2, array2, merge2 = submit(slurm, project, "2", *ks, **broker)
+    step = submit_waiting(slurm, project, "2", *ks)
+    assert step.stdout is not None
+    first = step.stdout.readline()  # submit.sh names the run and its jobs, then waits
+    run2, array2, _ = ids(first)
     wait_until(
         "shard 0 running and shard 1 pending",
         lambda: sorted(s for _, s in slurm.queue(array2)) == ["PENDING", "RUNNING"],
@@ -195,17 +261,20 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
     )
     slurm.run("scancel", f"{array2}_1")
     slurm.run("scancel", blocker)
-    status, out = verdict(slurm, project, merge2)
+    status, out = finished(step, first)
     stale = str(results / "shard-1-of-2.json")
     assert status == 2, out
     assert f"ignored (other runs): {stale}" in out and "no result from shard(s) 1/2" in out
+    assert f"run {run2}: exit 2; no JUnit written" in out, out
+    assert not (results / "junit.xml").exists()  # run 1's is not left to stand for run 2
     by_hand = merge_here(results)  # no --run-id: two runs in one directory
     assert by_hand.returncode == 2, by_hand.stdout
+    assert f"1 shard result(s) of run {run2} (and 1 of other runs)" in by_hand.stdout
     assert f"run {run1}: {stale}" in by_hand.stdout, by_hand.stdout
 
     # Rerun shard 1 into run 2 (submit.sh --shard), cancelled midway: the merge lists
-    # exactly the tests it did not run.
-    _, rerun, merge3 = submit(slurm, project, "--shard", "1", "2", *ks, **broker)
+    # exactly the tests it did not run, and its row what it ran.
+    _, rerun, merge3 = submit(slurm, project, "--shard", "1", "2", *ks)
     shard1 = results / "shard-1-of-2.json"
 
     def ran_some() -> bool:
@@ -224,40 +293,64 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
 
     wait_until("two tests of the rerun on disk", ran_some, within=90, every=0.1)
     slurm.run("scancel", rerun)
-    status, out = verdict(slurm, project, merge3)
+    status, out = verdict(slurm, project, run2, merge3)
     assert status == 2, out
     data = manifest(project, 1)
-    owed = [t for t in data["selected"] if t not in data["tests"]]  # type: ignore[attr-defined]
+    ran, owed = data["tests"], [t for t in data["selected"] if t not in data["tests"]]
     assert 0 < len(owed) < 6 and f"MISSING ({len(owed)}): {', '.join(owed)}" in out, out
+    assert float(data["wall_s"]) >= 0.4 * len(ran) and data["spawns"] == 1, data
+    row = re.search(rf"^  1/2 +n\S+ +{len(ran)}/6 +0 +([0-9.]+) +1 .*UNFINISHED$", out, re.M)
+    assert row and float(row.group(1)) > 0, out
     wait_done(slurm, rerun)
     assert slurm.state(rerun) == "CANCELLED"
 
-    # The cancelled rerun, requeued, completes the run and keeps its first log.
+    # The cancelled rerun, requeued, completes the run and keeps its first log; the lost
+    # attempt stays in the summary and the timeline.
     slurm.run("scontrol", "requeue", rerun)
     slurm.run("scontrol", "update", f"jobid={rerun}", "StartTime=now")
     wait_until("the requeued shard's result", lambda: ran_all(restart=1), 120)
     wait_done(slurm, rerun)
-    final = merge_here(results, "--run-id", run2)
-    assert final.returncode == 0, final.stdout + outputs(project)
-    log = next(project.glob(f"cpq-shard-{rerun}_1.out")).read_text()
+    html = project / "timeline.html"
+    final = merge_here(results, "--run-id", run2, "--timeline", str(html))
+    assert final.returncode == 0, final.stdout + final.stderr + outputs(project)
+    (lost,) = manifest(project, 1)["attempts"]
+    assert (lost["restart_count"], lost["complete"], lost["tests"]) == (0, False, len(ran))
+    assert re.search(rf"^   attempt 0 +n\S+ +{len(ran)} .* 0 +lost$", final.stdout, re.M), (
+        final.stdout
+    )
+    records = (results / lost["timeline"]).read_text().splitlines()
+    assert sum('"ev": "task"' in r or '"ev":"task"' in r for r in records) >= 1, records
+    assert "attempt 0 (lost)" in html.read_text()
+    log = (run_logs(project, run2) / f"cpq-shard-{rerun}_1.out").read_text()
     assert "(job " in log and "restart 0)" in log and "restart 1)" in log, log
-    assert len(list(results.glob(f"logs/{run2}/shard-1-of-2-job{rerun}-restart*"))) == 2
+    assert len(list(run_logs(project, run2).glob(f"shard-1-of-2-job{rerun}-restart*"))) == 2
 
 
-def test_broker_options_pass_through_and_a_merge_without_cpq_is_exit_3(
+def test_cluster_and_broker_options_pass_through_and_a_merge_without_cpq_is_exit_3(
     slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     project = make_project(tmp_path_factory, SPLIT_SUITE)
-    _, _, merge = submit(slurm, project, "1", "-k", "wide", CPQ_BROKER_ARGS="--max-ranks 1")
-    status, out = verdict(slurm, project, merge)
+    step = submit_waiting(
+        slurm, project, "--partition=debug", "--time=5", "1", "-k", "wide",
+        CPQ_BROKER_ARGS="--max-ranks 1", SBATCH_WAIT="1",  # sbatch's own variable: a wait
+        CPQ_SHARD_SBATCH_ARGS="--comment=for-the-shards",
+        CPQ_MERGE_SBATCH_ARGS="--job-name=cpq-merge-here",
+    )  # fmt: skip
+    status, out = finished(step)
+    _, array, merge = ids(out)
     assert status == 1, out + outputs(project)
     assert "exceeds this broker's --max-ranks 1" in manifest_text(project)
+    for job, wanted in ((array, "Comment=for-the-shards"), (merge, "JobName=cpq-merge-here")):
+        shown = slurm.run("scontrol", "-o", "show", "job", job)
+        assert "Partition=debug" in shown and "TimeLimit=00:05:00" in shown, shown
+        assert wanted in shown, shown
     env = job_env(slurm, project, CPQ_PYTHON="/usr/bin/python3", PYTHONPATH="")
     job = slurm.run(
         "sbatch", "--parsable", str(SLURM / "cpq-merge.sbatch"), env=env, cwd=project
     ).strip()
     wait_done(slurm, job)
     assert slurm.exit_code(job) == 3
+    assert (project / "results" / "logs" / f"cpq-merge-{job}.status").read_text() == "3\n"
     assert "cannot import cpq" in (project / f"cpq-merge-{job}.out").read_text()
 
 

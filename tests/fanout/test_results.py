@@ -1,0 +1,146 @@
+"""What a run leaves in its results directory: one run's files, readable as the umask says,
+earlier attempts kept, and the broker options a shard chooses (no processes started)."""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cpq.fanout import brokerargs, cli, durations, junit
+from cpq.fanout.attempts import TimelineTail, carry_over
+from cpq.fanout.manifest import Manifest, TestRecord, read
+
+from .test_merge import shard_results, write_results
+
+
+@pytest.fixture
+def umask_027() -> Iterator[None]:
+    old = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.usefixtures("umask_027")
+def test_every_file_of_a_run_gets_the_users_umask(tmp_path: Path) -> None:
+    directory = write_results(tmp_path, shard_results())
+    junit.write(directory / "shard-0-of-3.xml", shard_results()[:1])
+    out = tmp_path / "out"
+    args = ["--junit", str(out / "junit.xml"), "--durations", str(out / "durations.json")]
+    assert cli.main([*args, str(directory)]) == 0
+    files = [*directory.iterdir(), *out.iterdir()]
+    assert len(files) == 6
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o640"}  # 0666 less 027
+
+
+def record(tests: int, **fields: object) -> Manifest:
+    ids = [f"t{n}" for n in range(4)]
+    shard = Manifest(
+        index=0, count=1, collection_hash="c", partition_hash="p", collected=ids, selected=ids,
+        run_id="r", hostname="n2", wall_s=15.0, spawns=1,
+        tests={i: TestRecord("passed", 5.0) for i in ids[:tests]},
+    )  # fmt: skip
+    for key, value in fields.items():
+        setattr(shard, key, value)
+    return shard
+
+
+def test_a_shard_keeps_its_runs_lost_attempt_and_clears_another_runs(tmp_path: Path) -> None:
+    lost = record(3)
+    lost.write(tmp_path)
+    (tmp_path / "shard-0-of-1.timeline.jsonl").write_text('{"ev": "broker", "t": 1}\n')
+    (tmp_path / "shard-0-of-1.xml").write_text("<testsuites/>")
+    (attempt,) = carry_over(tmp_path, 0, 1, "r")
+    assert (attempt.tests, attempt.complete, attempt.wall_s, attempt.hostname) == (
+        3, False, 15.0, "n2"
+    )  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-0-of-1.attempt-0.timeline.jsonl"]
+    assert attempt.timeline == "shard-0-of-1.attempt-0.timeline.jsonl"
+
+    again = record(4, complete=True, attempts=[attempt], restart_count=1)  # lost, no timeline
+    again.write(tmp_path)
+    earlier = carry_over(tmp_path, 0, 1, "r")
+    assert [(a.restart_count, a.timeline) for a in earlier] == [
+        (0, "shard-0-of-1.attempt-0.timeline.jsonl"), (1, "")
+    ]  # fmt: skip
+    assert read(again.write(tmp_path)).attempts == [attempt]  # they travel in the manifest
+
+    record(4, run_id="earlier").write(tmp_path)  # a reused directory: another run's files
+    (tmp_path / "shard-0-of-1.attempt-0.timeline.jsonl").write_text("")
+    assert carry_over(tmp_path, 0, 1, "r") == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_timeline_tail_appends_whole_new_records_of_the_session(tmp_path: Path) -> None:
+    source, out = tmp_path / "history.jsonl", tmp_path / "shard.timeline.jsonl"
+    source.write_text('{"ev": "ready", "t": 5}\n{"ev": "spawn", "t": 10}\n{"ev": "rea')
+    tail = TimelineTail(source, out, since=10)
+    assert tail.flush() == 1  # the older record is another session's, the torn one waits
+    with source.open("a") as handle:
+        handle.write('dy", "t": 11}\n')
+    assert tail.flush() == 1 and tail.flush() == 0
+    assert [json.loads(line)["t"] for line in out.read_text().splitlines()] == [10, 11]
+    assert TimelineTail(tmp_path / "none", out, 0).flush() == 0  # no broker history here
+
+
+@pytest.mark.parametrize(
+    ("given", "specs", "expected"),
+    [
+        ("", ["ws1", "ws1", None], "--spares 0"),
+        ("--max-ranks 4", ["ws1"], "--spares 0 --max-ranks 4"),
+        ("--max-tasks-per-group=5", ["ws2"] * 3, "--spares 0 --max-tasks-per-group=5"),
+        ("--spares 1", ["ws1"], "--spares 1"),  # the user's choice
+        ("--max-tasks-per-group 2", ["ws1", "ws2", "ws2", "ws2"], "--max-tasks-per-group 2"),
+        ("--max-ranks '4", ["ws1"], "--max-ranks '4"),  # the autostart names the bad quote
+    ],
+)
+def test_a_shard_keeps_a_spare_only_where_its_tests_will_use_it(
+    given: str, specs: list[str | None], expected: str
+) -> None:
+    env = {brokerargs.BROKER_ARGS_VAR: given} if given else {}
+    brokerargs.configure_spares(env, specs)
+    assert env[brokerargs.BROKER_ARGS_VAR] == expected
+
+
+def test_junit_names_its_run_and_gives_each_test_its_own_time(tmp_path: Path) -> None:
+    shard = record(0, spawn_s={"ws2": 5.0})
+    shard.tests = {
+        "t0": TestRecord("passed", 7.0, spawn_wait_s=5.0),  # waited for cpq.run in its wall
+        "t1": TestRecord("passed", 2.0, spawn_wait_s=5.0, wait_in_wall=False),  # the ranks'
+        "t2": TestRecord("failed", 1.0, message="boom"),
+    }
+    junit.write(tmp_path / "j.xml", [shard])
+    root = ET.parse(tmp_path / "j.xml").getroot()
+    assert (root.get("name"), root.get("tests"), root.get("failures")) == ("cpq run r", "3", "1")
+    props = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert props["cpq_run_id"] == "r" and props["cpq_spawn_wait_s"] == "5.000"
+    times = {c.get("name"): c.get("time") for c in root.iter("testcase")}
+    assert times == {"t0": "2.000", "t1": "2.000", "t2": "1.000"}
+
+
+def test_an_incomplete_merge_leaves_no_junit_or_timeline_of_an_earlier_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = shard_results()
+    results.pop()
+    directory = write_results(tmp_path, results)
+    earlier = {name: tmp_path / name for name in ("junit.xml", "timeline.html", "trace.json")}
+    for path in earlier.values():
+        path.write_text("an earlier run's")
+    learned = tmp_path / "durations.json"
+    durations.write_json_atomic(learned, {"t": 1.0})
+    args = [f"--{n.split('.')[0]}={p}" for n, p in earlier.items()]
+    assert cli.main([*args, f"--durations={learned}", str(directory)]) == 2
+    assert not any(p.exists() for p in earlier.values())
+    assert f"removed {earlier['junit.xml']}" in capsys.readouterr().out
+    assert durations.load(learned) == {"t": 1.0}  # what earlier runs taught: kept
+    assert cli.main(["--run-id", "r", str(tmp_path / "empty")]) == 4  # no such directory
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["--run-id", "r", str(tmp_path / "empty")]) == 2  # all cancelled early
+    assert "no results of run r" in capsys.readouterr().out
