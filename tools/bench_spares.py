@@ -17,9 +17,9 @@ per mode (``--spares 1`` and ``--spares 0``), ws=2 gloo:
   rank 1 is stuck in the case's first collective: wall, and the summed and largest queue
   waits from the broker's timing history.
 
-* ``full box`` (``--full-box``, issue 20): ``--max-ranks 3`` held by a ws=1 and a ws=2
-  group, so no spare fits the cores; spares held in memory (the default ``--spare-memory``)
-  against ``--spare-memory 0``. The wait of the ws=2 task after each helper edit, the spawn
+* ``full box`` (``--full-box``, issue 20): ``--max-ranks 3`` cores, a ws=1 and a ws=2
+  group; spares held in memory (idle CPU ranks cost memory within ``--memory``, issue 29)
+  against no spares (``--spares 0``: before issue 20, no spare fit the cores). The wait of the ws=2 task after each helper edit, the spawn
   the broker says it waited for (``spawn_wait_s``), and what the spares held.
 
 Usage: ``python tools/bench_spares.py [--reps 3] [--full-box] [--json ...]``
@@ -162,14 +162,14 @@ def replace_waits(work: Path, spares: bool, reps: int, env: dict[str, str]) -> d
 
 def full_box_waits(work: Path, memory: bool, reps: int, env: dict[str, str]) -> dict[str, Any]:
     """The ``full box`` measurement: edits on a --max-ranks 3 box full of a ws=1 and a ws=2
-    group, spares held in memory (``memory``) or not (``--spare-memory 0``)."""
+    group, spares held in memory (``memory``) or none (``--spares 0``)."""
     mode = "memory" if memory else "cores"
     project = work / f"project-box-{mode}"
     project.mkdir()
     (project / "bench_targets.py").write_text(textwrap.dedent(TARGETS))
     helper = project / "bench_helper.py"
     helper.write_text("def value():\n    return 0\n")
-    extra = ("--max-ranks", "3") + (() if memory else ("--spare-memory", "0"))
+    extra = ("--max-ranks", "3") + (() if memory else ("--spares", "0"))
     broker = PrivateBroker(
         work / f"state-box-{mode}", work / f"logs-box-{mode}", "none", env, extra
     )
@@ -197,7 +197,7 @@ def full_box_waits(work: Path, memory: bool, reps: int, env: dict[str, str]) -> 
                     time.sleep(0.1)
                 else:
                     raise TimeoutError("the pool did not come to rest")
-                held.append(status["broker"].get("spare_memory_used_mb", 0.0))
+                held.append(status["broker"].get("memory_used_mb", 0.0))
                 helper.write_text(f"def value():\n    return {n}\n")
                 saved = time.time_ns() - 1_000_000_000
                 os.utime(helper, ns=(saved, saved))
@@ -207,7 +207,7 @@ def full_box_waits(work: Path, memory: bool, reps: int, env: dict[str, str]) -> 
                 spawn_waits.append(result.spawn_wait_s)
     finally:
         broker.stop()
-    return {"edit_wait_s": waits, "spawn_wait_s": spawn_waits, "spare_memory_used_mb": held}
+    return {"edit_wait_s": waits, "spawn_wait_s": spawn_waits, "memory_used_mb": held}
 
 
 def suite(work: Path, spares: bool, env: dict[str, str]) -> dict[str, Any]:
@@ -280,11 +280,11 @@ def main() -> int:
             box = full_box_waits(work, memory, args.reps, env)
             results["box_memory" if memory else "box_cores"] = box
             print(
-                f"  spares {'in memory' if memory else 'in cores only'}: ws=2 edit waits "
+                f"  {'spares in memory' if memory else 'no spares'}: ws=2 edit waits "
                 + ", ".join(f"{w:.2f}" for w in box["edit_wait_s"])
                 + " s; spawn waits "
                 + ", ".join(f"{w:.2f}" for w in box["spawn_wait_s"])
-                + f" s; spares held {max(box['spare_memory_used_mb']):.0f} MB"
+                + f" s; CPU groups held {max(box['memory_used_mb']):.0f} MB"
             )
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
