@@ -350,8 +350,9 @@ def test_wait():
 
 
 def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
-    """A broker with room for one CPU rank, held by another session's busy group: the
-    waiting test says why on the terminal after 3 s (README), then runs once freed."""
+    """A broker with one core for busy ranks (--max-ranks 1), held by another session's busy
+    group: the waiting test says why on the terminal after 3 s (README), then runs once
+    freed."""
     from conftest import start_broker, stop_broker
 
     process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "1", "--spares", "0")
@@ -393,7 +394,37 @@ def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
         out = "".join(lines) + rest
         assert holder.wait(timeout=60) == 0
         assert waiter.returncode == 0, out
-        why = r"waiting for a ws1/\S+ CPQ_TEST_POOL=waiter group \(\w+\): none yet; 0 of 1 CPU"
+        # its group starts (an idle rank costs no core) but its rank finds no free core
+        group = r"(none yet|1 starting|1 idle, waiting for cores)"
+        why = rf"waiting for a ws1/\S+ CPQ_TEST_POOL=waiter group \(\w+\): {group}; 0 of 1 CPU"
         assert re.search(why, out), out
     finally:
         stop_broker(process)
+
+
+OWN_TIME = """
+import uuid
+
+
+def test_calls_the_ranks(cpq):
+    pool = {{"CPQ_TEST_POOL": "own-time-{tag}"}}  # a spec of its own: its group starts cold
+    assert cpq.run("workers.collectives:rank_info", 1, env=pool).outcome == "passed"
+"""
+
+
+def test_a_cpq_run_test_reports_its_own_time_and_the_wait_apart(
+    pytester: pytest.Pytester, suite_env: str
+) -> None:
+    """A body that calls ``cpq.run`` waits for its group inside its call; JUnit's ``time``
+    (and ``--durations``) give the body's own time, the wait is a property of its own."""
+    import uuid
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile(test_own_time=OWN_TIME.format(tag=uuid.uuid4().hex))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=1)
+    (case,) = ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    waited = float(props["cpq_spawn_wait_s"])
+    assert waited > 1.0, props  # a cold group's spawn
+    assert float(case.get("time", "nan")) < waited, (case.attrib, props)

@@ -43,6 +43,10 @@ def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = Non
     live = pools.live(spec)
     states = [g.state for g in live]
     counts = ", ".join(f"{states.count(s)} {s}" for s in ("busy", "starting") if s in states)
+    idle = sum(g.state == "idle" and own_session is None for g in live)
+    if idle and not pools.room.uses_gpus(spec):  # ready, but its ranks find no free core
+        waits = f"{idle} idle, waiting for cores"
+        counts = f"{counts}, {waits}" if counts else waits
     if own_session is not None:
         others = sum(g.state == "idle" and not g.sessions <= {own_session} for g in live)
         if others:

@@ -40,6 +40,8 @@ from cpq.protocol import PoolSpec, TaskResult
 
 SESSION_KEY = pytest.StashKey["CpqSession"]()
 ROUTING_KEY = pytest.StashKey[launches.Routing]()
+#: The test's call report gives its own time: the wait for a group was taken off.
+OWN_TIME_KEY = pytest.StashKey[bool]()
 
 
 # --------------------------------------------------------------------------- options
@@ -401,10 +403,15 @@ def pytest_runtest_makereport(
     elif call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
         report.longrepr = ranks_repr(call.excinfo.value, str(item.path))  # no reports of theirs
     waits = item.config.stash[SESSION_KEY].spawn_waits
+    if call.when == "call" and ranks is None and item.nodeid in waits:
+        # A body that called cpq.run waited for a group inside its call: --durations, JUnit
+        # and the fan-out's slowest list give its own time; the wait is reported apart.
+        report.duration = max(0.0, report.duration - waits[item.nodeid])
+        item.stash[OWN_TIME_KEY] = True
     waited = waits.pop(item.nodeid, None) if call.when == "teardown" else None
     if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
-        if ranks is not None:  # its durations are the ranks' own: the wait is not in them
+        if ranks is not None or item.stash.get(OWN_TIME_KEY, False):  # no wait in durations
             report.user_properties.append((fanout.RANK_TIME_PROPERTY, True))
     location = item.stash.get(SKIP_LOCATION_KEY, None)
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
