@@ -181,7 +181,7 @@ class Pools:
                     self.sharing.want_for(spec, since, self.resources, self._stopping_gpus())
             return None
         self._group_seq += 1
-        group_id = f"g{self._group_seq}"
+        group_id = Group.id_for(self._group_seq, self.config.broker_tag)
         process = self.process_factory(
             group_id,
             spec,
