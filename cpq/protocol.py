@@ -7,6 +7,8 @@ below, so the set of messages is written down in one place and checked on the wa
 a :class:`ProtocolError`, and never executes anything (msgpack only; no pickle crosses the
 wire). Size limits are enforced twice: ZeroMQ's ``MAXMSGSIZE`` drops oversized frames before
 they are read, and the unpacker bounds every string, binary, array and map it builds.
+Fields and kinds added within protocol 1 are listed per feature in :mod:`cpq.features`; a
+sender leaves out what its peer does not read (:func:`encode_for`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 import msgpack
 
 from cpq import environ  # the other shared leaf: which variables are start variables
+from cpq.features import ALL_FEATURES as ALL_FEATURES  # the versioning policy, re-exported
+from cpq.features import FEATURE_FIELDS as FEATURE_FIELDS
+from cpq.features import FEATURE_KINDS as FEATURE_KINDS
+from cpq.features import FEATURES_ENV as FEATURES_ENV
+from cpq.features import drop, reads_kind, unread_fields
 from cpq.records import OUTCOMES as OUTCOMES  # the records messages carry, re-exported
+from cpq.records import Cause as Cause
 from cpq.records import Outcome as Outcome
 from cpq.records import PoolSpec as PoolSpec
 from cpq.records import RankError as RankError
 from cpq.records import RankResult as RankResult
+from cpq.records import StaleKind as StaleKind
 from cpq.records import TaskResult as TaskResult
 from cpq.wirecheck import ProtocolError as ProtocolError  # re-exported: part of the API
 from cpq.wirecheck import checker, hints
@@ -255,8 +264,11 @@ class RankDone(Message):
     #: file descriptors); the broker recycles the group after this task. Optional, like above.
     unfit: str = ""
     #: Non-empty: the rank did not run the task because this file, which it loaded
-    #: earlier, changed on disk since (``cpq.rank.freshness``); the task goes to a fresh group.
+    #: earlier, changed on disk since (``cpq.rank.freshness``), or an import read this
+    #: variable (``cpq.rank.importenv``); the task goes to a fresh group. Which of the two,
+    #: ``stale_kind`` says (an older rank's "the variable X" is read as code: a fresh group).
     stale: str = ""
+    stale_kind: StaleKind = ""
     #: The default process group's collective sequence number after the task (-1: unknown).
     #: After a cancelled task, equal numbers on every rank mean no collective was left
     #: half-done and the group can serve again.
@@ -474,86 +486,24 @@ def encode(message: Message) -> bytes:
     return frame
 
 
-#: Optional fields added within protocol 1, by the feature that added them. Every peer
-#: says which features it reads (a broker in its groups' environment, ``CPQ_BROKER_FEATURES``,
-#: and in its welcome; a client in its hello), and a sender leaves out the fields of
-#: features its peer does not list: an embedded broker outlives a ``pip install -U cpq``,
-#: and its decoder refuses fields it does not know, so without this a newer rank could
-#: never report ready to the older broker that spawned it. ``a.b`` names field ``b`` of the
-#: record in field ``a`` (of each record, where ``a`` is a list).
-FEATURES_ENV = "CPQ_BROKER_FEATURES"
-FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "rank-memory": {"rank_ready": ("rss_mb",), "rank_done": ("cuda_mb", "cuda_reserved_mb")},
-    "rank-unfit": {"rank_done": ("unfit",)},
-    "task-env": {"submit": ("env",)},
-    "code-freshness": {"rank_done": ("stale", "pg_seq")},
-    "result-groups": {"done": ("result.groups",)},
-    "task-affinity": {"submit": ("affinity",)},
-    "env-delta": {"submit": ("env_same",), "run": ("env_same",), "rank_ready": ("features",)},
-    "spawn-wait": {"done": ("result.spawn_wait_s",)},
-    "task-retries": {"submit": ("retries",)},
-    "pdb-relay": {"submit": ("debug_rank",), "run": ("debug",), "done": ("result.debug_rank",)},
-    "import-env": {"rank_ready": ("bound_env",), "rank_done": ("bound_env", "stale_start")},
-    "session-groups": {"submit": ("session", "own_groups")},
-    "task-rng": {"submit": ("rng",), "run": ("rng",)},
-    "rank-report": {"rank_done": ("result.report",), "done": ("result.ranks.report",)},
-    "rank-pytest": {
-        "rank_done": ("result.reports", "result.warnings"),
-        "rank_stacks": ("phase",),
-        "done": ("result.ranks.reports", "result.ranks.warnings", "result.phase"),
-    },
-    "task-coverage": {
-        "submit": ("coverage",),
-        "run": ("coverage",),
-        "rank_done": ("coverage",),
-        "done": ("result.coverage",),
-    },
-}
-#: Message kinds added within protocol 1, by feature: never sent to a peer without it.
-FEATURE_KINDS: dict[str, frozenset[str]] = {
-    "task-waiting": frozenset({"waiting"}),
-    "broker-closing": frozenset({"closing"}),
-    "pdb-relay": frozenset({"debug_attach", "debug_line", "debug_output"}),
-    "rank-pytest": frozenset({"rank_begun"}),
-}
-ALL_FEATURES = frozenset(FEATURE_FIELDS) | frozenset(FEATURE_KINDS)
+# Optional fields and kinds per feature: :mod:`cpq.features` (re-exported here).
 
 
 def peer_reads(message: Message, features: frozenset[str]) -> bool:
     """Whether a peer that reads ``features`` can decode a message of this kind at all."""
-    return all(
-        message.KIND not in kinds or feature in features for feature, kinds in FEATURE_KINDS.items()
-    )
+    return reads_kind(message.KIND, features)
 
 
 def encode_for(message: Message, features: frozenset[str]) -> bytes:
     """:func:`encode`, without the fields of features the receiving peer does not read."""
     frame = encode(message)
-    drop = [
-        name
-        for feature, kinds in FEATURE_FIELDS.items()
-        if feature not in features
-        for name in kinds.get(message.KIND, ())
-    ]
-    if not drop:
+    unread = unread_fields(message.KIND, features)
+    if not unread:
         return frame
     wire = unpack(frame)
-    for name in drop:
-        _drop(wire, name.split("."))
+    for name in unread:
+        drop(wire, name.split("."))
     return pack(wire)
-
-
-def _drop(value: Any, path: list[str]) -> None:
-    """Remove the field at ``path`` from a decoded map; a list on the way applies the rest
-    of the path to each of its maps (``result.ranks.report``: every rank's ``report``)."""
-    if isinstance(value, list):
-        for item in value:
-            _drop(item, path)
-    elif isinstance(value, dict):
-        if len(path) == 1:
-            value.pop(path[0], None)
-        elif path[0] in value:
-            _drop(value[path[0]], path[1:])
 
 
 Handlers = Mapping[type["Message"], Callable[[Any], None]]

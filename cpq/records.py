@@ -18,6 +18,17 @@ from cpq import environ
 Outcome = Literal["passed", "failed", "skipped", "error"]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
+#: Why the broker ended a task, where a client acts on it (``TaskResult.cause``, feature
+#: ``verdict-cause``): "" nothing a client treats apart; "deadline": the task's deadline
+#: passed (pytest-timeout's message then, ``cpq.client.timeouts``). The client reads this
+#: field, never the verdict's words. A value the decoder does not know is malformed (fail
+#: closed): a new value is a new feature, never sent to a peer that does not list it.
+Cause = Literal["", "deadline"]
+#: What a rank that refused a task found changed (``RankDone.stale_kind``, feature
+#: ``refusal-kind``): "code" (``stale`` is a file it loaded) or "variable" (``stale`` is
+#: the name of a variable an import read); "" from a rank that does not say (an older cpq).
+StaleKind = Literal["", "code", "variable"]
+
 
 @dataclass(frozen=True)
 class PoolSpec:
@@ -138,6 +149,8 @@ class TaskResult:
     #: Where a deadline found a test pytest ran in the ranks: the phase (setup, call,
     #: teardown) of the lowest rank that was in one; "" otherwise (feature ``rank-pytest``).
     phase: str = ""
+    #: Why the broker ended it, where a client acts on it (:data:`Cause`).
+    cause: Cause = ""
 
     @property
     def value(self) -> Any:

@@ -10,14 +10,19 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, start_broker, stop_broker
 from unit.traces import check_trace, thread_names
+
+from cpq import Client
+from cpq.timeline import records
 
 pytest_plugins = ["pytester"]
 
@@ -103,7 +108,8 @@ def test_the_trace_of_a_real_session_has_every_test_once_and_every_spawn(
     slices = check_trace(trace)
     names = thread_names(trace)
     groups = {track: name for track, name in names.items() if not name.startswith("waits")}
-    assert len(groups) == 2 and all(re.match(r"g\d+ ws1/\w+ · CPU$", n) for n in groups.values())
+    assert len(groups) == 2
+    assert all(re.match(r"g\d+-[0-9a-z]+ ws1/\w+ · CPU$", n) for n in groups.values()), groups
     for track in groups:
         assert slices[track][0]["cat"] == "spawn" and slices[track][0]["dur"] > 0
         # The first task on each fresh group is its warm-up (a group ready last may get none:
@@ -191,3 +197,54 @@ def test_no_session_and_a_bad_time_are_clear_errors(session: Path, tmp_path: Pat
     empty.mkdir(mode=0o700)
     done = cpq_status("--timeline", str(out), state=empty)
     assert done.returncode == 4 and "no timeline history" in done.stderr
+
+
+def test_a_sigkilled_brokers_group_is_not_shown_in_the_next_brokers_session(
+    tmp_path: Path,
+) -> None:
+    """A broker is killed with SIGKILL after a task; a new one starts on the same state
+    directory and runs the next session. That session's page lists only the new broker's
+    group (the killed one's is not an idle group of it), whose id is not the old one's; the
+    whole history shows the old group ended with its broker."""
+    state = tmp_path / "state"
+    pool = {"env": {"CPQ_TEST_POOL": "timeline-kill"}, "roots": [str(ROOT)]}
+    args = ("--gpus", "none", "--max-ranks", "1", "--spares", "0")
+    killed, endpoint = start_broker(state, *args)
+    second = None
+    try:
+        with Client(endpoint, name="pytest", info={"session": "s-killed"}) as client:
+            old = client.submit("workers.collectives:noop", 1, **pool)  # type: ignore[arg-type]
+        assert old.outcome == "passed", old.message
+        history = records.timeline_path(state / "timings.jsonl")
+        deadline = time.monotonic() + 10  # the broker writes its events once per tick
+        while not any(r["ev"] == "task" for r in records.read(history).records):
+            assert time.monotonic() < deadline, "the task's record was never written"
+            time.sleep(0.05)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=10)
+        second, again = start_broker(state, *args)
+        assert again == endpoint
+        with Client(endpoint, name="pytest", info={"session": "s-after"}) as client:
+            new = client.submit("workers.collectives:noop", 1, **pool)  # type: ignore[arg-type]
+        assert new.outcome == "passed", new.message
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        if second is not None:
+            stop_broker(second)
+    assert new.group_id != old.group_id  # ids are not reused across brokers
+    page = tmp_path / "session.html"
+    done = cpq_status("--timeline", str(page), state=state)  # the last session: s-after
+    assert done.returncode == 0, done.stderr
+    seen = _Visible()
+    seen.feed(page.read_text())
+    text = " ".join(seen.text)
+    assert seen.groups == [new.group_id] and old.group_id not in text  # nor as an idle one
+    whole = tmp_path / "all.html"
+    done = cpq_status("--timeline", str(whole), "--session", "all", state=state)
+    assert done.returncode == 0, done.stderr
+    seen = _Visible()
+    seen.feed(whole.read_text())
+    assert sorted(seen.groups) == sorted([old.group_id, new.group_id])
+    rows = " ".join(seen.text).split("Groups: busy share")[1].split("Seconds spent spawning")[0]
+    assert re.search(rf"{re.escape(old.group_id)} .*?broker-gone", rows), rows

@@ -19,8 +19,9 @@ per mode (``--spares 1`` and ``--spares 0``), ws=2 gloo:
 
 * ``full box`` (``--full-box``, issue 20): ``--max-ranks 3`` cores, a ws=1 and a ws=2
   group; spares held in memory (idle CPU ranks cost memory within ``--memory``, issue 29)
-  against no spares (``--spares 0``: before issue 20, no spare fit the cores). The wait of the ws=2 task after each helper edit, the spawn
-  the broker says it waited for (``spawn_wait_s``), and what the spares held.
+  against no spares (``--spares 0``: before issue 20, no spare fit the cores). The wait of
+  the ws=2 task after each helper edit, the spawn the broker says it waited for
+  (``spawn_wait_s``), and what the CPU groups held.
 
 Usage: ``python tools/bench_spares.py [--reps 3] [--full-box] [--json ...]``
 """

@@ -220,6 +220,28 @@ def unserialisable_return(kind: str = "object") -> object:
     return object()
 
 
+def garble_report(rank: int = 1) -> int:
+    """Rank ``rank``'s report on this task carries an outcome no cpq knows, as a rank of an
+    incompatible cpq would send it: the broker cannot decode the frame (the other ranks
+    report as usual). The report is garbled where the rank encodes it, on its own socket."""
+    if dist.get_rank() == rank:
+        from cpq import protocol
+
+        encode_for = protocol.encode_for
+
+        def garbled(message: Any, features: frozenset[str]) -> bytes:
+            frame = encode_for(message, features)
+            if not isinstance(message, protocol.RankDone):
+                return frame
+            protocol.encode_for = encode_for  # once
+            wire = protocol.unpack(frame)
+            wire["result"]["outcome"] = "passed-with-warnings"
+            return protocol.pack(wire)
+
+        protocol.encode_for = garbled  # type: ignore[assignment]
+    return dist.get_rank()
+
+
 # --------------------------------------------------------------------------- polluted ranks
 
 

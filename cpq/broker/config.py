@@ -1,12 +1,39 @@
-"""``BrokerConfig``: everything ``cpq-broker``'s command line sets (see ``cpq-broker --help``)."""
+"""``BrokerConfig``: everything ``cpq-broker``'s command line sets (see ``cpq-broker --help``),
+and the tag that names this broker's groups."""
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpq.protocol import PoolSpec
 from cpq.timings import DEFAULT_MAX_BYTES
+
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _base36(n: int) -> str:
+    out = ""
+    while True:
+        n, digit = divmod(n, 36)
+        out = _DIGITS[digit] + out
+        if not n:
+            return out
+
+
+def broker_tag(pid: int | None = None, started_s: float | None = None) -> str:
+    """What tells this broker's groups from every other broker's of one history: its pid
+    and its start second (modulo 36², about 21 minutes), in base 36, the second in the last
+    two digits (``9ix0k``). Group ids are ``g<n>-<tag>`` (:meth:`~cpq.broker.model.Group.id_for`):
+    a broker restarted on the same state directory numbers its groups from 1 again, and
+    the timeline, the logs (``group-<id>-*.log``) and ``cpq-status`` must not mistake its
+    ``g1`` for the killed broker's. Two brokers of one host share a tag only with the same
+    pid (reused only after the first one exited) started in the same second of the cycle."""
+    pid = os.getpid() if pid is None else pid
+    second = int(time.time() if started_s is None else started_s) % 36**2
+    return _base36(pid) + _base36(second).rjust(2, "0")
 
 
 @dataclass
@@ -59,6 +86,9 @@ class BrokerConfig:
     memory_mb: float = 16_000.0
     #: Groups to start at start-up, as (spec, count) (``--warm``).
     warm: list[tuple[PoolSpec, int]] = field(default_factory=list)
+    #: Ends every group id of this broker (:func:`broker_tag`; "": plain ``g<n>``, for
+    #: unit tests of one broker on fakes).
+    broker_tag: str = field(default_factory=broker_tag)
 
     @property
     def silence_s(self) -> float:

@@ -10,7 +10,10 @@ Fail closed: a frame that does not decode, or a message of a class the socket's 
 not hold (a client's ``hello`` on the ranks' socket, a rank's report on the clients'), is
 dropped, counted in ``totals.malformed`` and logged; a client also gets an ``error`` reply.
 Junk proves nothing about its sender: it creates no client record and refreshes no peer's
-liveness. See docs/design.md "Module map" and "Liveness".
+liveness. But a frame from a registered rank that does not decode also goes to
+:attr:`Controller.on_rank_unreadable`: it may have been that rank's report on its task, and
+a task must not wait for its deadline on a report nobody can read. See docs/design.md
+"Module map", "Liveness" and "Task outcome".
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class Controller:
         self.after_message = after_message
         self.client_handlers: dict[type[protocol.Message], ClientHandler] = {}
         self.rank_handlers: dict[type[protocol.Message], RankHandler] = {}
+        #: Called with (group, rank, why) when a registered rank's frame does not decode.
+        self.on_rank_unreadable: Callable[[Group, Rank, str], None] | None = None
 
     def on_client_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -92,12 +97,15 @@ class Controller:
     def on_rank_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             self._junk("a message of %d frames (expected 1 payload frame)", len(frames) - 1)
+            if frames:
+                self._unreadable(frames[0], f"{len(frames) - 1} frames, not 1")
             return
         identity, frame = frames
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
             self._junk("malformed message from rank peer %s: %s", identity.hex(), exc)
+            self._unreadable(identity, f"a frame that does not decode: {exc}")
             return
         if isinstance(message, protocol.RankHello):
             self.rank_hello(identity, message)  # checks the group's token itself
@@ -116,6 +124,15 @@ class Controller:
         rank.last_seen = self.clock.monotonic()
         handler(group, rank, message)
         self.after_message()
+
+    def _unreadable(self, identity: bytes, reason: str) -> None:
+        """A registered rank sent what does not decode: its task cannot wait for a report
+        that will never be read, so :attr:`on_rank_unreadable` hears of it (fail closed,
+        and fast). From an unknown peer it stays junk, and nothing more."""
+        known = self.ranks.get(identity)
+        if known is not None and self.on_rank_unreadable is not None:
+            self.on_rank_unreadable(*known, reason)
+            self.after_message()
 
     def _junk(self, what: str, *args: object) -> None:
         self.totals.malformed += 1

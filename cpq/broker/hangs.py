@@ -28,9 +28,12 @@ def stacks_text(task: Task) -> str:
 
 
 def deadline_passed(task: Task) -> str:
-    """The reason a deadline gives; a learned deadline the run outgrew gives way to the
-    one the client asked for (when longer), so a test that is slow today but alive is not
-    killed twice by a guess."""
+    """The reason a deadline gives, and where it found the test (the phase of the lowest
+    rank that was in one); a learned deadline the run outgrew gives way to the one the
+    client asked for (when longer), so a test slow today but alive is not killed twice by a
+    guess. The client knows a deadline by the verdict's ``cause``, not by these words."""
+    phases = task.stack_phases
+    task.hung_phase = next((phases[r] for r in sorted(phases)), "")
     learned = f" ({task.deadline_note})" if task.deadline_note else ""
     reason = f"deadline of {fmt_seconds(task.timeout_s)}s{learned} passed"
     if task.deadline_note:
@@ -39,9 +42,9 @@ def deadline_passed(task: Task) -> str:
     return reason
 
 
-def mark_stuck(task: Task, failure_grace_s: float) -> tuple[list[int], list[int]]:
+def mark_stuck(task: Task, failure_grace_s: float) -> tuple[str, str]:
     """Give each rank still running after a peer failed an ``error`` result carrying its
-    stack; returns (the failed ranks, the stuck ones)."""
+    stack; returns the verdict's message and why the group is recycled."""
     failed = sorted(r for r, res in task.results.items() if res.outcome == "failed")
     stuck = sorted(stack_ranks(task))
     for rank_no in stuck:
@@ -55,4 +58,5 @@ def mark_stuck(task: Task, failure_grace_s: float) -> tuple[list[int], list[int]
                 task.stacks.get(rank_no, ""),
             ),
         )
-    return failed, stuck
+    message = f"rank(s) {failed} failed; rank(s) {stuck} were stuck; the group was recycled"
+    return message, f"rank(s) {stuck} stuck after a peer failed"

@@ -148,6 +148,7 @@ class Broker:
                 protocol.DebugOutput: lambda g, rank, m: self.tasks.debug.output(g, rank.rank, m),
             }
         )
+        self.controller.on_rank_unreadable = lambda g, r, why: self.tasks.unreadable(g, r.rank, why)
 
     @property
     def draining(self) -> bool:

@@ -196,6 +196,13 @@ class Group:
     #: The sessions it served (``Submit.session``, else the client's identity).
     sessions: set[str] = field(default_factory=set)
 
+    @staticmethod
+    def id_for(seq: int, broker_tag: str) -> str:
+        """The id of this broker's ``seq``-th group: ``g3-9ix0k``, short in ``cpq-status``
+        and never reused by another broker of the same history (see
+        :func:`cpq.broker.config.broker_tag`); ``g3`` without a tag."""
+        return f"g{seq}-{broker_tag}" if broker_tag else f"g{seq}"
+
     def note_ready(self, rank: Rank, message: protocol.RankReady) -> bool:
         """Record what a rank said when it became ready; True once every rank of the group
         has (the features all of them read, their memory at ready, what their imports read

@@ -156,7 +156,7 @@ class Pools:
         if self.leases is not None and gpus and not self.leases.take(gpus, now):
             return None
         self._group_seq += 1
-        group_id = f"g{self._group_seq}"
+        group_id = Group.id_for(self._group_seq, self.config.broker_tag)
         process = self.process_factory(
             group_id,
             spec,

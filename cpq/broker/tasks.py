@@ -4,7 +4,13 @@ A task's life: queued → running on one idle group of its spec (the same ``run`
 to every rank) → per-rank reports are collected → one verdict goes back to the client. The
 ways a task can end are ``docs/design.md``'s outcome table; infra errors (deadline, a dead
 or silent rank, a group that would not start) are retried once on a fresh group
-(:meth:`Tasks.retry_once`, the one place that rule is written).
+(:meth:`Tasks.retry_once`, the one place that rule is written). A rank's report the broker
+cannot read ends its task at once (:meth:`Tasks.unreadable`).
+
+Policies with rules of their own are decided apart, from the task's records: what a hang's
+verdict says (:mod:`cpq.broker.hangs`), where a refused task goes
+(:mod:`cpq.broker.refusals`), whether an interrupted task's group serves again
+(:mod:`cpq.broker.interrupts`), the retry bookkeeping (:mod:`cpq.broker.retries`).
 
 Tasks never touch pools: what should happen to a group after its task (release it, stop
 it) is asked for in :attr:`Tasks.group_requests`, which the loop carries out.
@@ -17,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpq import protocol
-from cpq.broker import hangs, retries
+from cpq.broker import hangs, interrupts, refusals, retries
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.debugging import DebugSessions
@@ -31,10 +37,6 @@ from cpq.broker.verdicts import Verdicts, join, verdict
 from cpq.protocol import RankResult
 
 log = logging.getLogger("cpq.broker")
-
-#: Fresh groups a task may find stale in a row before it is an error (a file that changes
-#: all the time, such as a module a test writes and imports, would bounce it forever).
-MAX_STALE_BOUNCES = 3
 
 
 @dataclass
@@ -136,19 +138,12 @@ class Tasks:
         return len(dropped)
 
     def interrupt(self, task: Task, why: str) -> None:
-        """Stop a running task nobody waits for any more, instead of holding its group until
-        the deadline: every rank is asked to interrupt it (``cpq.rank.cancel``); ranks that
-        do report within ``cancel_grace_s`` leave the group clean, else it is recycled."""
-        task.orphaned = True  # the verdict goes nowhere
-        group = task.group
-        if group is None or task.cancel_until is not None:
-            return
-        log.info("interrupting %s on group %s: %s", task.submit.target, group.id, why)
-        task.cancel_until = self.clock.monotonic() + self.config.cancel_grace_s
-        task.grace_until = task.stacks_until = None
-        frame = protocol.encode(protocol.CancelTask(task_id=task.submit.task_id))
-        for rank_no, rank in group.ranks.items():
-            if rank_no not in task.results:
+        """Stop a running task nobody waits for any more (:mod:`cpq.broker.interrupts`)."""
+        ranks = interrupts.begin(task, self.clock.monotonic() + self.config.cancel_grace_s)
+        if ranks:
+            log.info("interrupting %s: %s", task.submit.target, why)
+            frame = protocol.encode(protocol.CancelTask(task_id=task.submit.task_id))
+            for rank in ranks:
                 self.send_rank(rank.identity, frame)
 
     # ---- running
@@ -183,18 +178,18 @@ class Tasks:
         task = group.task
         if task is None or task.submit.task_id != message.task_id or group.state != "busy":
             return  # a late report for a task already decided
-        group.bound_env.update(message.bound_env)
-        if message.stale and message.stale_start:
-            self._stale_at_start(task, group, message.stale)
+        try:
+            refusal = refusals.check(message, rank_no, group.rank_features)
+        except refusals.InvalidReport as exc:
+            self.unreadable(group, rank_no, str(exc))
             return
-        if message.stale:
-            self.stale(task, group, message.stale)
+        group.bound_env.update(message.bound_env)
+        if refusal is not None:
+            self._refused(task, group, refusal)
             return
         if message.coverage:
             task.coverage[rank_no] = message.coverage
-        result = message.result
-        result.rank = rank_no
-        task.results[rank_no] = result
+        result = task.results[rank_no] = message.result
         task.pg_seqs[rank_no] = message.pg_seq
         if len(task.results) == group.spec.world_size:
             if task.cancel_until is not None:
@@ -204,75 +199,41 @@ class Tasks:
         elif result.outcome == "failed" and task.grace_until is None and not task.cancel_until:
             task.grace_until = self.clock.monotonic() + self.config.failure_grace_s
 
-    def stale(self, task: Task, group: Group, path: str) -> None:
-        """The group loaded code that changed on disk since (``cpq.rank.freshness``): it
-        runs nothing more, and the task goes to a fresh group. Not an attempt: nothing ran
-        (a rank that did start is stopped with the group)."""
-        what = "environment" if path.startswith("the variable ") else "code"
-        self.group_requests.append(GroupRequest(group, f"{what} changed: {path}"))
-        if task.orphaned or task.stale_bounces >= MAX_STALE_BOUNCES:
-            task.groups.pop()
-            self._unassign(task)
-            message = (
-                "cancelled: its client went away"
-                if task.orphaned
-                else f"{path} keeps changing: {task.stale_bounces + 1} fresh groups in a row "
-                "found it changed after loading it"
-            )
-            self.finish(task, "error", message=message)
-            return
-        log.info("%s changed since group %s loaded it: %s goes to a fresh group",
-                 path, group.id, task.submit.target)  # fmt: skip
-        self._bounce(task, group, f"bounced: {what} changed")
+    def unreadable(self, group: Group, rank_no: int, reason: str) -> None:
+        """A rank of a busy group sent what the broker cannot read (a frame that does not
+        decode, a report at odds with itself): its part of the task is unknown, so the task
+        ends now as an ``error`` naming the rank, instead of waiting for its deadline (fail
+        closed, and fast), and the group, in an unknown state, is recycled. Not retried:
+        a rank that speaks another protocol would do it again."""
+        task = group.task
+        if task is None or group.state != "busy":
+            return  # nothing waits on it (the frame was counted as junk)
+        why = f"rank {rank_no} of group {group.id} sent a report the broker cannot read"
+        log.warning("%s: %s", why, reason)
+        self.group_requests.append(GroupRequest(group, f"{why}: {reason[:200]}"))
+        results = [task.results[r] for r in sorted(task.results)]
+        self.finish(task, "error", f"{why} ({reason[:1000]}); the group was recycled", results)
 
-    def _bounce(self, task: Task, group: Group, why: str) -> None:
-        """Take ``task`` off ``group`` (nothing of it ran) and queue it again, in front."""
-        self.timeline.attempt(task, why, group.id)
-        task.groups.pop()
+    def _refused(self, task: Task, group: Group, refusal: refusals.Refusal) -> None:
+        """A rank ran nothing: the task goes to a fresh group, or ends (see
+        :mod:`cpq.broker.refusals`). Not an attempt, since nothing ran."""
+        decision = refusals.decide(task, refusal, group.spec.world_size, self.start_bound)
+        self.group_requests.append(GroupRequest(group, decision.stop_group))
+        task.groups.pop()  # nothing ran on it
         self._unassign(task)
-        task.stale_bounces += 1
-        task.queued_at = self.clock.monotonic()
-        self.timeline.queued(task)
-        self.queues.push(task, front=True)
-
-    def _stale_at_start(self, task: Task, group: Group, variable: str) -> None:
-        """An import read ``variable`` while the group started, with another value than the
-        task's: every group of the spec starts alike, so a fresh one would read the same.
-        The group stays (its other tasks may agree). The spec learns the name
-        (:mod:`cpq.broker.startenv`) and the task goes, in front, to a group started with the
-        caller's value; where the caller has no value to start with, the task is an error
-        that says how to make the variable part of the spec."""
-        # One rank's refusal says nothing of its peers: one of them may be running the body,
-        # waiting in a collective for this rank. A group of one rank is clean; others go.
-        why = (
-            "" if group.spec.world_size == 1 else f"a rank refused a task: {variable} read at start"
-        )
-        self.group_requests.append(GroupRequest(group, why))
-        name = variable.removeprefix("the variable ")
-        self.start_bound.learn(task.submit.spec, name)
-        widened = self.start_bound.widen(task.submit.spec, task.submit.env)
-        if widened != task.spec and task.stale_bounces < MAX_STALE_BOUNCES and not task.orphaned:
-            log.info("%s is read at group start: %s goes to a group started with it", name,
-                     task.submit.target)  # fmt: skip
-            task.spec = widened
-            self._bounce(task, group, f"bounced: {name} read at start")
+        if decision.error:
+            self.finish(task, "error", message=decision.error)
             return
-        self.finish(
-            task,
-            "error",
-            message=f"{name} was read while cpq's group started (importing torch, cpq or "
-            f"CPQ_PRELOAD), with another value than this test's: list it in CPQ_SPEC_ENV "
-            f"(CPQ_SPEC_ENV={name}) so its groups start with your value",
-        )
+        log.info("%s goes to a fresh group (%s)", task.submit.target, decision.bounce)
+        task.stale_bounces += 1
+        task.spec = decision.spec or task.spec
+        self._requeue(task, decision.bounce, group.id, front=True)
 
     def _interrupted(self, task: Task, group: Group) -> None:
-        """Every rank reported after a cancel: the group is clean when each rank left the
-        task after the same number of collectives (none was left half-done)."""
-        seqs = set(task.pg_seqs.values())
-        clean = group.spec.world_size == 1 or (len(seqs) == 1 and -1 not in seqs)
+        """Every rank reported after a cancel: kept or recycled (:mod:`cpq.broker.interrupts`)."""
         results = [task.results[r] for r in sorted(task.results)]
-        self.finish(task, "error", message="cancelled: its client went away", ranks=results)
-        why = "" if clean else f"interrupted mid-collective (sequence numbers {sorted(seqs)})"
+        self.finish(task, "error", message=interrupts.CANCELLED, ranks=results)
+        why = interrupts.recycle_reason(task, group.spec.world_size)
         self.group_requests.append(GroupRequest(group, why))
 
     def _unassign(self, task: Task) -> None:
@@ -312,7 +273,7 @@ class Tasks:
                 if now >= task.cancel_until:
                     why = f"did not stop within {self.config.cancel_grace_s:g}s of a cancel"
                     self.group_requests.append(GroupRequest(group, why))
-                    self.finish(task, "error", message="cancelled: its client went away")
+                    self.finish(task, "error", message=interrupts.CANCELLED)
                 continue
             if task.stacks_until is not None:
                 if now >= task.stacks_until:
@@ -349,36 +310,30 @@ class Tasks:
         task.stacks_until = None
         stacks = hangs.stacks_text(task)
         if task.stacks_reason == "deadline":
-            phases = task.stack_phases
-            task.hung_phase = next((phases[r] for r in sorted(phases)), "")
             reason = hangs.deadline_passed(task)
             self.group_requests.append(GroupRequest(group, reason))
-            self.infra_error(task, reason, f"where each rank was:\n{stacks}")
+            self.infra_error(task, reason, f"where each rank was:\n{stacks}", "deadline")
             return
-        failed, stuck = hangs.mark_stuck(task, self.config.failure_grace_s)
+        message, stop_reason = hangs.mark_stuck(task, self.config.failure_grace_s)
         results = [task.results[r] for r in sorted(task.results)]
         if not self.debug.open(task, group, "failed", results):  # recycled after the session
-            self.group_requests.append(
-                GroupRequest(group, f"rank(s) {stuck} stuck after a peer failed")
-            )
-        self.finish(
-            task,
-            "failed",
-            message=f"rank(s) {failed} failed; rank(s) {stuck} were stuck; the group was recycled",
-            ranks=results,
-        )
+            self.group_requests.append(GroupRequest(group, stop_reason))
+        self.finish(task, "failed", message=message, ranks=results)
 
-    def infra_error(self, task: Task, reason: str, detail: str = "") -> None:
+    def infra_error(
+        self, task: Task, reason: str, detail: str = "", cause: protocol.Cause = ""
+    ) -> None:
         """An infrastructure failure of a running task: retry once, then ``error``.
 
-        ``reason`` is one line; ``detail`` (rank stacks, say) goes into the verdict once.
+        ``reason`` is one line; ``detail`` (rank stacks, say) goes into the verdict once;
+        ``cause`` is what the verdict's client acts on (``TaskResult.cause``).
         """
         group_id = task.group.id if task.group else ""
         self._unassign(task)
         if task.orphaned:
-            self.finish(task, "error", message=join(reason, detail))
+            self.finish(task, "error", message=join(reason, detail), cause=cause)
             return
-        self.retry_once(task, reason, detail, group_id=group_id, front=True)
+        self.retry_once(task, reason, detail, group_id=group_id, front=True, cause=cause)
 
     def start_failed(self, spec: protocol.PoolSpec, reason: str, log_tail: str) -> None:
         """No group of ``spec`` came up (and none is left to try): its queued tasks get one
@@ -388,20 +343,31 @@ class Tasks:
             self.retry_once(task, reason, detail)
 
     def retry_once(
-        self, task: Task, reason: str, detail: str = "", group_id: str = "", front: bool = False
+        self,
+        task: Task,
+        reason: str,
+        detail: str = "",
+        group_id: str = "",
+        front: bool = False,
+        cause: protocol.Cause = "",
     ) -> None:
         """An infra failure: queue the task again (``front``: ahead of its client's other
         tasks) while it has attempts left, else its verdict (:mod:`cpq.broker.retries`)."""
         if retries.another_attempt(task):
-            self.timeline.attempt(task, f"retried: {reason}", group_id)
+            self._requeue(task, f"retried: {reason}", group_id, front)
             retries.retried(task, reason, detail, group_id)
             self.totals.retries += 1
             log.info("retrying %s: %s", task.submit.target, reason)
-            task.queued_at = self.clock.monotonic()
-            self.timeline.queued(task)
-            self.queues.push(task, front=front)
             return
-        self.finish(task, "error", message=retries.final_message(task, reason, detail, group_id))
+        message = retries.final_message(task, reason, detail, group_id)
+        self.finish(task, "error", message=message, cause=cause)
+
+    def _requeue(self, task: Task, why: str, group_id: str, front: bool) -> None:
+        """The attempt is over (``why``, in the timeline): the task joins its queue again."""
+        self.timeline.attempt(task, why, group_id)
+        task.queued_at = self.clock.monotonic()
+        self.timeline.queued(task)
+        self.queues.push(task, front=front)
 
     def stop_all(self, why: str) -> None:
         for task in list(self.tasks.values()):
@@ -413,10 +379,11 @@ class Tasks:
         outcome: protocol.Outcome,
         message: str = "",
         ranks: list[RankResult] | None = None,
+        cause: protocol.Cause = "",
     ) -> None:
         """The task's verdict: it leaves the broker's books and goes to its client."""
         self.tasks.pop(task.key, None)
-        self.verdicts.send(task, outcome, message, ranks)
+        self.verdicts.send(task, outcome, message, ranks, cause)
 
     def take_group_requests(self) -> list[GroupRequest]:
         requests, self.group_requests = self.group_requests, []

@@ -78,6 +78,7 @@ class Verdicts:
         outcome: protocol.Outcome,
         message: str = "",
         ranks: list[RankResult] | None = None,
+        cause: protocol.Cause = "",
     ) -> None:
         """Count the verdict, record it in the history, send it to the task's client."""
         now = self.clock.monotonic()
@@ -106,6 +107,7 @@ class Verdicts:
             debug_rank=task.debug_rank,
             coverage=[task.coverage[r] for r in sorted(task.coverage)],
             phase=task.hung_phase,
+            cause=cause,
         )
         ran = task.started_at or task.attempts > 1  # not: rejected, cancelled while queued
         timing = self.timing(task, result) if ran else None  # the outcome before any encoding

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # PEP 692; typing has it from Python 3.11
 
 from cpq import environ, paths, protocol
+from cpq.client.capabilities import refuse_unread_options
 from cpq.client.shared_socket import SharedSocket
 from cpq.osutil import pid_namespace
 from cpq.protocol import PoolSpec, TaskResult
@@ -320,18 +321,7 @@ class Client:
     ) -> Future[TaskResult]:
         """Send the task; ``lead``: the caller reads its verdict itself (:meth:`_wait`)."""
         message, task_env = submit_message(target, world_size, kwargs, options)
-        for asked, feature in (
-            (message.coverage, "task-coverage"),
-            (message.own_groups, "session-groups"),
-            (message.rng, "task-rng"),  # else the ranks draw from the fixed seed
-            (message.retries != 1, "task-retries"),  # else a rerun plugin's attempts double
-            (message.debug_rank is not None, "pdb-relay"),
-        ):
-            if asked and feature not in self.broker_features:  # fail closed: never ignored
-                raise BadRequest(
-                    f"the broker at {self.endpoint} is too old for {feature!r} "
-                    "(stop it with `cpq stop`; the next session starts a current one)"
-                )
+        refuse_unread_options(message, self.broker_features, self.endpoint)
         future: Future[TaskResult] = Future()
         future.task_id = message.task_id  # type: ignore[attr-defined]
         with self._lock:  # "the previous submit" is the one sent before: decide in order

@@ -33,8 +33,6 @@ FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
 #: How much later than the test's timeout pytest-timeout's own timer fires: after the
 #: broker's deadline, its stack collection and the verdict's way back.
 BACKSTOP_S = 10.0
-#: How the broker's verdict starts when a task's deadline passed (``cpq.broker.tasks``).
-DEADLINE_PREFIX = "deadline of "
 
 
 def _runs_on_ranks(item: pytest.Item) -> bool:
@@ -82,9 +80,9 @@ def remaining(item: pytest.Item) -> float | None:
 def fail_if_timed_out(item: pytest.Item, result: TaskResult) -> None:
     """Fail the test as pytest-timeout would, with the ranks' stacks, if its deadline passed."""
     timer = item.stash.get(TIMER_KEY, None)
-    if timer is None or result.outcome != "error":
-        return
-    if not result.message.startswith(DEADLINE_PREFIX):
+    # The verdict's cause, not its words: a broker without the feature ``verdict-cause``
+    # sends none, and its deadline is then reported as the error it is.
+    if timer is None or result.outcome != "error" or result.cause != "deadline":
         return
     first, _, detail = result.message.partition("\n")
     lines = [FAILURE_MESSAGE % timer[0], f"cpq: {first}; the group was stopped"]

@@ -393,6 +393,7 @@ def main() -> None:
         last_env = task.env
         task_started_ns = time.time_ns()
         stale = watch.changed() if check_code else ""
+        stale_kind: protocol.StaleKind = "code" if stale else ""
         stale_start = False
         ran = Ran()
         if stale:  # run nothing: the broker sends the task to a fresh group
@@ -403,7 +404,9 @@ def main() -> None:
             result, ran = run_task(task, config.rank, baseline, capture, check_env)
             items.began = None
             if ran.variable:
-                stale, stale_start = f"the variable {ran.variable}", ran.at_start
+                stale, stale_kind, stale_start = ran.variable, "variable", ran.at_start
+                if "refusal-kind" not in features:  # a broker that reads words, not the kind
+                    stale = f"the variable {ran.variable}"
                 log.info("not running %s: an import read %s", task.target, ran.variable)
             if check_code:
                 watch.scan(task_started_ns)
@@ -420,6 +423,7 @@ def main() -> None:
             cuda_reserved_mb=cuda_reserved_mb,
             unfit=_unfit_reason(),
             stale=stale,
+            stale_kind=stale_kind,
             # Read by the broker after a cancel (Tasks._interrupted), which may still be
             # unread on this socket when a short task ends: every multi-rank report has it.
             pg_seq=_pg_sequence() if config.world_size > 1 else -1,

@@ -46,7 +46,8 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
 }
 
-#: Why a group stopped, as the ``cause`` of its ``stop`` record.
+#: Why a group stopped, as the ``cause`` of its ``stop`` record. (A group whose broker
+#: never stopped it, killed with it, gets ``broker-gone`` from the reader: ``cpq.timeline.run``.)
 CAUSES = ("recycled", "failed", "evicted", "spare-unused", "shutdown")
 
 

@@ -4,11 +4,17 @@ Pure functions over records (:mod:`cpq.timeline.records`), shared by the trace-e
 (:mod:`cpq.timeline.trace`) and the HTML page (:mod:`cpq.timeline.html`). Nothing here reads
 a clock or a file: the same records always give the same picture.
 
-Group ids restart with each broker (``g1`` again after a restart), so a group is known by
-its broker's place in the file (each broker writes a ``broker`` record when it starts) and
-its id. A window (one pytest session, or a time range) keeps every group and every task
-that overlaps it, whatever session they belong to: a group that served another session at
-the same time was not idle, and the picture must say so.
+A group is known by its broker's place in the file (each broker writes a ``broker`` record
+when it starts) and its id: ids of older brokers restarted with each broker (``g1`` again),
+a broker now ends them with its own tag. A broker killed with ``SIGKILL`` wrote no ``stop``
+for its groups; they died with it, so the next ``broker`` record ends them, at the last
+event their broker recorded (the last moment it is known to have run: measured, not the
+next broker's start, which may come days later), with the cause :data:`BROKER_GONE`. They
+are never carried into the next broker's session as idle groups.
+
+A window (one pytest session, or a time range) keeps every group and every task that
+overlaps it, whatever session they belong to: a group that served another session at the
+same time was not idle, and the picture must say so.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+#: The cause of a group whose broker ended without stopping it (killed, or crashed).
+BROKER_GONE = "broker-gone"
 
 
 class WindowError(ValueError):
@@ -100,12 +109,15 @@ def build(records: Iterable[dict[str, Any]], source: str = "", skipped: int = 0)
     attempts: list[Attempt] = []
     hellos: list[tuple[float, str, str]] = []
     times: list[float] = []
+    last_t = 0.0  # the current broker's last event
     for r in records:
         ev, t = r["ev"], float(r["t"])
         times.append(t)
         if ev == "broker":
+            _broker_gone(groups.values(), f"{broker}:", last_t)
             broker += 1
             continue
+        last_t = t
         if ev == "hello":
             hellos.append((t, r["client"], r["session"]))
             continue
@@ -150,6 +162,16 @@ def build(records: Iterable[dict[str, Any]], source: str = "", skipped: int = 0)
     run.attempts = sorted(attempts, key=lambda a: (a.queued, a.ended))
     run.hellos = hellos
     return run
+
+
+def _broker_gone(groups: Iterable[GroupLife], prefix: str, last_t: float) -> None:
+    """A new broker started: the previous broker's groups that it never stopped end at its
+    last event (their processes die with their broker)."""
+    for group in groups:
+        if group.key.startswith(prefix) and group.stop is None and group.gone is None:
+            group.stop = max(last_t, group.ready or group.spawn)
+            group.cause = BROKER_GONE
+            group.reason = "its broker ended without stopping it (killed?)"
 
 
 def last_session(run: Run) -> str:

@@ -145,6 +145,7 @@ class Sim:
             "max_ranks": 8,
             "scale_up_after_s": 1.0,
             "spares": 0,  # the spare tests (test_spares.py) turn them on
+            "broker_tag": "",  # plain g1, g2: one broker's groups (test_pools: the tag)
         }
         self.config = BrokerConfig(**{**defaults, **config})
         self.broker = Broker(self.config, self.wire, self.clock, self._make_process)

@@ -21,7 +21,7 @@ from cpq import environ, protocol
 from cpq.broker.placement.admission import impossible
 from cpq.broker.placement.plan import NO_TASK, Plan
 from cpq.broker.placement.view import GroupView, Room
-from cpq.broker.tasks import MAX_STALE_BOUNCES
+from cpq.broker.refusals import MAX_STALE_BOUNCES
 from cpq.protocol import PoolSpec
 from cpq.rank import cancel, freshness
 from cpq.rank.io import CPQ_DIR, user_stack
@@ -49,7 +49,7 @@ def test_a_stale_group_is_replaced_and_the_task_runs_on_a_fresh_one() -> None:
     sim.client(features=FEATURES)
     task = sim.submit()
     sim.bring_up("g1")
-    done(sim, "g1", 0, task, stale="/project/mylib.py")
+    done(sim, "g1", 0, task, stale="/project/mylib.py", stale_kind="code")
     assert sim.states()["g1"] == "stopping"
     assert sim.broker.pools.groups["g1"].stop_reason == "code changed: /project/mylib.py"
     assert "g2" in sim.states()  # the queue had no group left: a fresh one starts
@@ -70,7 +70,7 @@ def test_a_file_that_keeps_changing_ends_in_an_error_not_a_loop() -> None:
         sim.tick(0.1)  # the stopped group is reaped, its rank slots come back
         group_id = f"g{n}"
         sim.bring_up(group_id)
-        done(sim, group_id, 0, task, stale="/project/generated.py")
+        done(sim, group_id, 0, task, stale="/project/generated.py", stale_kind="code")
     (result,) = sim.done().values()
     assert result.outcome == "error" and "keeps changing" in result.message
 
@@ -81,7 +81,7 @@ def test_a_stale_report_after_the_client_left_ends_the_task() -> None:
     task = sim.submit(pool_spec=spec(1))
     sim.bring_up("g1")
     sim.client_send(b"c1", protocol.Goodbye())
-    done(sim, "g1", 0, task, stale="/project/mylib.py")
+    done(sim, "g1", 0, task, stale="/project/mylib.py", stale_kind="code")
     sim.tick(0.1)
     assert sim.broker.tasks.tasks == {} and len(sim.broker.tasks.queues) == 0
 

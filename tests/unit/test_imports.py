@@ -18,6 +18,7 @@ SHARED = {
     "cpq.osutil",
     "cpq.environ",
     "cpq.wirecheck",
+    "cpq.features",
     "cpq.specs",
     "cpq.records",
     "cpq.rng",  # the caller's random state: read by the client, installed by the ranks

@@ -179,7 +179,7 @@ def test_a_variable_bound_at_start_ends_in_an_error_naming_cpq_spec_env() -> Non
     sim.bring_up("g1")
     result = protocol.RankResult(rank=0, outcome="error")
     message = protocol.RankDone(
-        task_id=task, result=result, stale="the variable PYTORCH_JIT", stale_start=True
+        task_id=task, result=result, stale="PYTORCH_JIT", stale_kind="variable", stale_start=True
     )
     sim.rank_send(sim.rank_id("g1", 0), message)
     (verdict,) = sim.done().values()
@@ -198,7 +198,7 @@ def test_a_variable_bound_at_start_joins_the_spec_with_the_callers_value() -> No
     sim.bring_up("g1")
     result = protocol.RankResult(rank=0, outcome="error")
     message = protocol.RankDone(
-        task_id=task, result=result, stale="the variable PYTORCH_JIT", stale_start=True
+        task_id=task, result=result, stale="PYTORCH_JIT", stale_kind="variable", stale_start=True
     )
     sim.rank_send(sim.rank_id("g1", 0), message)
     assert sim.done() == {}  # not a verdict: a bounce

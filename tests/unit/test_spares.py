@@ -108,7 +108,9 @@ def test_changed_code_sends_the_task_to_the_spare_even_past_other_used_groups() 
     edited = sim.submit()
     assert sim.running("g3") == edited  # the most recently used group
     result = protocol.RankResult(rank=0, outcome="error")
-    stale = protocol.RankDone(task_id=edited, result=result, stale="/project/helper.py")
+    stale = protocol.RankDone(
+        task_id=edited, result=result, stale="/project/helper.py", stale_kind="code"
+    )
     sim.rank_send(sim.rank_id("g3", 0), stale)
     assert sim.states()["g3"] == "stopping"
     # g1 and g2 loaded the same helper: the task goes to the spare, which loaded none.
@@ -389,7 +391,9 @@ def test_a_spare_replaces_its_spec_s_group_at_once() -> None:
     edited = sim.submit(pool_spec=spec(2))
     assert sim.running(g2) == edited
     result = protocol.RankResult(rank=0, outcome="error")
-    stale = protocol.RankDone(task_id=edited, result=result, stale="/project/helper.py")
+    stale = protocol.RankDone(
+        task_id=edited, result=result, stale="/project/helper.py", stale_kind="code"
+    )
     sim.rank_send(sim.rank_id(g2, 0), stale)
     assert sim.states()[g2] == "stopping"
     assert sim.running(spare.id) == edited

@@ -226,6 +226,34 @@ def test_a_broker_restart_does_not_merge_groups_of_the_same_id() -> None:
     check_trace(build_trace([run]))
 
 
+def test_a_killed_brokers_groups_end_at_its_last_event_not_in_the_next_session() -> None:
+    """A broker killed with SIGKILL wrote no ``stop``: its group ends at the last event it
+    recorded, and the next broker's session does not list it, idle or otherwise."""
+    recs = [
+        broker(0),
+        hello(0.1, "s1"),
+        *life("g1-aa00", 0.2, 1.0),
+        task("t::a", "g1-aa00", 1.0, 1.0, 2.0),
+        broker(100),  # killed at some time after 2.0; a new broker starts
+        hello(100.1, "s2"),
+        *life("g1-bb00", 100.2, 101.0),
+        task("t::b", "g1-bb00", 101.0, 101.0, 102.0, session="s2"),
+    ]
+    run = build(recs)
+    old, new = run.groups
+    assert (old.stop, old.cause, new.stop) == (T + 2.0, "broker-gone", None)
+    assert "its broker ended without stopping it" in old.reason
+    session = select(run, "last", None, None)
+    assert [g.id for g in session.groups] == ["g1-bb00"]
+    summary = summarize([session])
+    assert [g["group"] for g in summary["groups"]] == ["g1-bb00"] and summary["idle"] == []
+    everything = summarize([select(run, "all", None, None)])
+    assert {g["group"]: g["ready_s"] for g in everything["groups"]} == pytest.approx(
+        {"g1-aa00": 1.0, "g1-bb00": 1.0}  # not ready until the end of the history
+    )
+    assert build_html([session]).count("g1-aa00") == 0
+
+
 def test_the_last_session_is_the_window_and_keeps_other_sessions_on_its_groups() -> None:
     recs = [
         *SESSION,

@@ -189,6 +189,8 @@ def test_junk_from_a_new_client_leaves_no_client_behind(junk: bytes) -> None:
 
 
 def test_an_unknown_outcome_from_a_rank_is_malformed_never_a_pass() -> None:
+    """Malformed, and the task does not wait for its deadline: an error at once, naming
+    the rank and what the decoder refused; its group is recycled (tests/unit/test_contracts)."""
     sim = warm_sim()
     sim.client()
     task = sim.submit(pool_spec=spec(1))
@@ -199,7 +201,9 @@ def test_an_unknown_outcome_from_a_rank_is_malformed_never_a_pass() -> None:
     before = sim.broker.totals.malformed
     sim.broker.controller.on_rank_frames([sim.rank_id("g1", 0), frame])
     assert sim.broker.totals.malformed == before + 1
-    assert sim.done() == {}  # no verdict from it; the deadline will say error
+    verdict = sim.done()[task]
+    assert verdict.outcome == "error" and "rank 0 of group g1" in verdict.message
+    assert "'passes' is not one of" in verdict.message and sim.states() == {"g1": "stopping"}
 
 
 @pytest.mark.parametrize("wrong_socket", ["rank", "client"])
