@@ -134,7 +134,9 @@ def cpq_mode(project: Path, env: dict[str, str], state: Path, extra: list[str]) 
                 *extra,
             ]
             wall, out = run(cmd, project, env)
-            totals = status(env, project)["totals"]
+            now = status(env, project)
+            totals = now["totals"]
+            ranks = [mb for p in now["pools"] if p["state"] == "idle" for mb in p["rss_mb"]]
             log = (state / "logs" / "broker.log").read_text()
             sessions.append(
                 {
@@ -142,6 +144,8 @@ def cpq_mode(project: Path, env: dict[str, str], state: Path, extra: list[str]) 
                     "passed": passed(out),
                     "groups_started": totals["groups_started"] - started_before,
                     "evictions_so_far": log.count("evicting "),
+                    "rank_rss_mb": sorted(ranks)[len(ranks) // 2] if ranks else None,
+                    "memory_used_mb": now["broker"].get("memory_used_mb"),
                 }
             )
             started_before = totals["groups_started"]

@@ -42,7 +42,7 @@ def order(
     plan: Plan, spec: PoolSpec, used: bool, own_session: str | None = None
 ) -> list[GroupView]:
     """The groups that may go for ``spec``, in the order they go."""
-    groups = list(plan.groups.values())
+    groups = [g for g in plan.groups.values() if not plan.is_new(g)]
     others = [g for g in groups if g.spec != spec]
     if own_session is not None:
         others += [

@@ -35,6 +35,7 @@ class Plan:
         self.now = snapshot.now
         self.decisions: list[Decision] = []
         self.groups: dict[str, GroupView] = {g.id: g for g in snapshot.groups}
+        self._known = frozenset(self.groups)
         #: Per spec, its queued tasks not given a group yet, in queue order.
         self.pending: dict[PoolSpec, list[Queued]] = {
             q.spec: list(q.tasks) for q in snapshot.queues
@@ -58,6 +59,10 @@ class Plan:
 
     def anything_queued(self) -> bool:
         return any(self.depth.values())
+
+    def is_new(self, group: GroupView) -> bool:
+        """Started by this placement: it has no id yet, so no later decision may name it."""
+        return group.id not in self._known
 
     def stopping(self) -> bool:
         """Room is on its way back: some group is stopping."""

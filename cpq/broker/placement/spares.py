@@ -69,7 +69,11 @@ def make_room_for_spare(plan: Plan, spec: PoolSpec, below: set[PoolSpec]) -> Non
     if plan.stopping():
         return  # room is already on its way back
     victims: list[GroupView] = sorted(
-        (g for g in plan.groups.values() if g.spare and g.spec in below and g.state != "stopping"),
+        (
+            g
+            for g in plan.groups.values()
+            if g.spare and g.spec in below and g.state != "stopping" and not plan.is_new(g)
+        ),
         key=lambda g: g.last_used,
     )
     for count in range(1, len(victims) + 1):

@@ -13,8 +13,8 @@ from typing import Protocol
 from cpq import environ
 from cpq.protocol import PoolSpec
 
-#: What one CPU rank is assumed to hold before any group of its spec was measured (MB):
-#: torch, cpq and pytest imported, measured at ~330 MB on the 2-core VM (BENCHMARKS.md).
+#: What one CPU rank is assumed to hold before any group on this broker was measured (MB):
+#: torch, cpq and pytest imported (BENCHMARKS.md, "One placement", has the measured figure).
 DEFAULT_RANK_MB = 400.0
 
 #: The placement's word for each reason a group stops (the timeline's ``cause``).

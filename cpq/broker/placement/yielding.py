@@ -120,7 +120,7 @@ def step(plan: Plan) -> None:
     snap = plan.snapshot
     if not snap.foreign:
         return
-    by_uuid = {g.id: g for g in plan.groups.values() if g.gpus}
+    held_gpus = {g.id: g for g in plan.groups.values() if g.gpus and not plan.is_new(g)}
     mine = [
         Holding(
             g.id,
@@ -129,8 +129,8 @@ def step(plan: Plan) -> None:
             g.spare,
             g.last_used,
         )
-        for g in by_uuid.values()
+        for g in held_gpus.values()
     ]
     for group_id, want in to_yield(snap.foreign, mine, plan.wants_since()):
         waited = f"{want.spec or 'a GPU task'}, waiting {snap.wall - want.since:.1f}s"
-        plan.yield_group(by_uuid[group_id], f"yielded its GPUs to {want.who} ({waited})")
+        plan.yield_group(held_gpus[group_id], f"yielded its GPUs to {want.who} ({waited})")
