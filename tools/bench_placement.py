@@ -1,12 +1,15 @@
-"""A suite of mixed world sizes on the default budget, side by side in one run (issue 29).
+"""A suite of mixed specs on the default budget, side by side in one run (issue 29).
 
-A generated project of ``--cases`` x 3 tests written for ``torchrun -m pytest`` (a session
-fixture that calls ``init_process_group``; each test one gloo ``all_reduce``), whose world
-sizes 1, 2 and 4 alternate in collection order. Modes, each on its own state directory and
-the broker the plugin autostarts with its default options (what a new user gets):
+A generated project of ``--cases`` tests per spec written for ``torchrun -m pytest`` (a
+session fixture that calls ``init_process_group``; each test one ``all_reduce``, on the GPU
+when there is one), whose specs alternate in collection order. ``--mix 1,2,4`` (the
+default): world sizes 1, 2 and 4 (CPU, gloo); ``--mix 1:a,1:b``: two ws=1 specs that differ
+in a pinned variable (one GPU can hold only one of them). Modes, each on its own state
+directory and the broker the plugin autostarts with its default options (what a new user
+gets):
 
-* ``torchrun``: the fresh reference, one ``torchrun --nproc-per-node N -m pytest -k wsN-``
-  per world size, the walls summed;
+* ``torchrun``: the fresh reference, one ``torchrun --nproc-per-node N -m pytest -k <spec>``
+  per spec, the walls summed;
 * ``cpq``: this code, two sessions (cold: the broker and its groups start; warm: a second
   ``pytest`` on the same broker);
 * ``cpq-keep-order``: the same with ``--cpq-keep-order`` (tests alternate world sizes: the
@@ -37,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchkit import ROOT, child_env
+from benchkit import child_env
 
 CONFTEST = """
 import os
@@ -46,10 +49,15 @@ import pytest
 import torch.distributed as dist
 
 
+import torch
+
+
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     yield
 """
 
@@ -59,19 +67,27 @@ import torch
 import torch.distributed as dist
 
 CASES = [
-    pytest.param(ws, i, id=f"ws{{ws}}-{{i}}", marks=pytest.mark.cpq(world_size=ws))
+    pytest.param(
+        ws, i, id=f"ws{{ws}}{{tag}}-{{i}}",
+        marks=pytest.mark.cpq(world_size=ws, env={{"BENCH_SPEC": tag}}),
+    )
     for i in range({cases})
-    for ws in (1, 2, 4)
+    for ws, tag in {mix!r}
 ]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize(("ws", "i"), CASES)
 def test_all_reduce(ws, i):
     assert dist.get_world_size() == ws
-    t = torch.full((64,), float(dist.get_rank() + i))
+    t = torch.full((64,), float(dist.get_rank() + i), device=DEVICE)
     dist.all_reduce(t)
     assert t[0].item() == sum(range(ws)) + ws * i
 """
+
+
+#: Where plugins are not loaded from entry points (the GPU host runs cpq from PYTHONPATH).
+PLUGIN = ["-p", "cpq.client.plugin"] if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") else []
 
 
 def passed(output: str) -> int:
@@ -95,21 +111,12 @@ def status(env: dict[str, str], cwd: Path) -> dict[str, Any]:
     return dict(json.loads(out))
 
 
-def torchrun_mode(project: Path, env: dict[str, str]) -> dict[str, Any]:
+def torchrun_mode(project: Path, env: dict[str, str], mix: list[tuple[int, str]]) -> dict[str, Any]:
     walls, count = [], 0
-    for ws in (1, 2, 4):
+    for ws, tag in mix:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ws)]
-        cmd += [
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:randomly",
-            "-k",
-            f"ws{ws}-",
-        ]
+        cmd += ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *PLUGIN]
+        cmd += ["-k", f"ws{ws}{tag}-"]
         wall, out = run(cmd, project, env)
         walls.append(wall)
         count += passed(out)
@@ -122,17 +129,8 @@ def cpq_mode(project: Path, env: dict[str, str], state: Path, extra: list[str]) 
     started_before = 0
     try:
         for _ in range(2):
-            cmd = [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-p",
-                "no:randomly",
-                *extra,
-            ]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+            cmd += ["-p", "no:randomly", *PLUGIN, *extra]
             wall, out = run(cmd, project, env)
             now = status(env, project)
             totals = now["totals"]
@@ -156,7 +154,8 @@ def cpq_mode(project: Path, env: dict[str, str], state: Path, extra: list[str]) 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=12, help="tests per world size")
+    parser.add_argument("--cases", type=int, default=12, help="tests per spec")
+    parser.add_argument("--mix", default="1,2,4", help="specs: world sizes, ws:tag for more")
     parser.add_argument("--before", type=Path, help="a cpq checkout to compare with")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -164,21 +163,24 @@ def main(argv: list[str]) -> int:
     project = work / "project"
     project.mkdir()
     (project / "conftest.py").write_text(textwrap.dedent(CONFTEST))
-    (project / "test_mixed.py").write_text(textwrap.dedent(TESTS.format(cases=args.cases)))
+    mix = [(int(ws), tag) for ws, _, tag in (m.partition(":") for m in args.mix.split(","))]
+    tests = TESTS.format(cases=args.cases, mix=mix)
+    (project / "test_mixed.py").write_text(textwrap.dedent(tests))
     env = child_env()
     env.update(OMP_NUM_THREADS="1")
     results: dict[str, Any] = {
-        "cases": 3 * args.cases,
+        "cases": len(mix) * args.cases,
+        "mix": args.mix,
         "cores": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    results["torchrun"] = torchrun_mode(project, env)
+    results["torchrun"] = torchrun_mode(project, env, mix)
     results["cpq"] = cpq_mode(project, env, work / "state-cpq", [])
     results["cpq-keep-order"] = cpq_mode(project, env, work / "state-keep", ["--cpq-keep-order"])
     if args.before is not None:
-        before_env = dict(env, PYTHONPATH=f"{args.before.resolve()}{os.pathsep}{ROOT}")
+        before_env = dict(env, PYTHONPATH=f"{args.before.resolve()}{os.pathsep}{env['PYTHONPATH']}")
         results["before"] = cpq_mode(project, before_env, work / "state-before", [])
-    print(f"{results['cases']} tests (world sizes 1, 2, 4 alternating), {results['cores']} cores")
+    print(f"{results['cases']} tests (specs {args.mix} alternating), {results['cores']} cores")
     print(f"{'mode':<16}{'session':<9}{'wall s':>8}{'passed':>8}{'started':>9}{'evictions':>11}")
     for mode in ("torchrun", "cpq", "cpq-keep-order", "before"):
         for n, session in enumerate(results.get(mode, {}).get("sessions", [])):
