@@ -139,6 +139,10 @@ def submit_message(
     timeout = options.get("timeout")
     timeout = paths.default_timeout() if timeout is None else check_timeout(timeout)
     start, task_env = caller_environ()
+    pinned = options.get("env") or {}
+    # What the task pins is the task's too: its ranks see it, as a fresh launch with it in
+    # its environment would, and a rank whose imports read it finds the value it started with.
+    task_env = {**task_env, **{k: v for k, v in pinned.items() if isinstance(v, str)}}
     spec = make_spec(
         world_size,
         options.get("env"),

@@ -515,3 +515,15 @@ def test_timing_history_is_kept_per_project() -> None:
     }
     timing = _parse(json.dumps(old_record))  # written before projects were recorded
     assert timing is not None and timing.project == "" and timing.key == "t.py::x"
+
+
+def test_a_pinned_variable_is_the_tasks_too() -> None:
+    """``env=`` pins a variable on the spec (its groups start with it) and the task sees it:
+    before, a name outside the start prefixes was dropped from the task's environment, and a
+    rank whose imports had read it refused every task (found on the H200 host)."""
+    from cpq.client.api import submit_message
+
+    message, _ = submit_message("m:f", 1, {}, {"env": {"MYPROJ_PINNED": "a"}})
+    assert ["MYPROJ_PINNED", "a"] in [list(pair) for pair in message.spec.env]
+    group = {"MYPROJ_PINNED": "a", "PATH": "/usr/bin"}  # the rank's start environment
+    assert environ.task_environ(message.env, group, {})["MYPROJ_PINNED"] == "a"
