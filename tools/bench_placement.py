@@ -69,7 +69,7 @@ import torch.distributed as dist
 CASES = [
     pytest.param(
         ws, i, id=f"ws{{ws}}{{tag}}-{{i}}",
-        marks=pytest.mark.cpq(world_size=ws, env={{"BENCH_SPEC": tag}}),
+        marks=pytest.mark.cpq(world_size=ws, env={{"CPQ_BENCH_SPEC": tag}}),
     )
     for i in range({cases})
     for ws, tag in {mix!r}
@@ -96,13 +96,15 @@ def passed(output: str) -> int:
 
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 900) -> tuple[float, str]:
+    """Run ``cmd``; a failing session is reported (its ``passed`` count shows it), and the
+    benchmark goes on to the next mode."""
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        print(output[-3000:], file=sys.stderr)
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}")
+        tail = "\n".join(output.splitlines()[-5:])
+        print(f"{' '.join(cmd[-3:])} exited {proc.returncode}:\n{tail}", file=sys.stderr)
     return wall, output
 
 
@@ -174,23 +176,30 @@ def main(argv: list[str]) -> int:
         "cores": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    results["torchrun"] = torchrun_mode(project, env, mix)
-    results["cpq"] = cpq_mode(project, env, work / "state-cpq", [])
-    results["cpq-keep-order"] = cpq_mode(project, env, work / "state-keep", ["--cpq-keep-order"])
-    if args.before is not None:
-        before_env = dict(env, PYTHONPATH=f"{args.before.resolve()}{os.pathsep}{env['PYTHONPATH']}")
-        results["before"] = cpq_mode(project, before_env, work / "state-before", [])
     print(f"{results['cases']} tests (specs {args.mix} alternating), {results['cores']} cores")
     print(f"{'mode':<16}{'session':<9}{'wall s':>8}{'passed':>8}{'started':>9}{'evictions':>11}")
-    for mode in ("torchrun", "cpq", "cpq-keep-order", "before"):
-        for n, session in enumerate(results.get(mode, {}).get("sessions", [])):
+    modes = [("torchrun", None), ("cpq", []), ("cpq-keep-order", ["--cpq-keep-order"])]
+    if args.before is not None:
+        modes.append(("before", []))
+    for mode, extra in modes:
+        if extra is None:
+            results[mode] = torchrun_mode(project, env, mix)
+        else:
+            mode_env = env
+            if mode == "before":
+                assert args.before is not None
+                path = f"{args.before.resolve()}{os.pathsep}{env['PYTHONPATH']}"
+                mode_env = dict(env, PYTHONPATH=path)
+            results[mode] = cpq_mode(project, mode_env, work / f"state-{mode}", extra)
+        for n, session in enumerate(results[mode]["sessions"]):
             name = "fresh" if mode == "torchrun" else ("cold", "warm")[n]
             print(
                 f"{mode:<16}{name:<9}{session['wall_s']:>8.1f}{session['passed']:>8}"
-                f"{session.get('groups_started', '-'):>9}{session.get('evictions_so_far', '-'):>11}"
+                f"{session.get('groups_started', '-'):>9}{session.get('evictions_so_far', '-'):>11}",
+                flush=True,
             )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        if args.json:  # after each mode: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 
