@@ -193,9 +193,11 @@ def main(argv: list[str]) -> int:
             results[mode] = cpq_mode(project, mode_env, work / f"state-{mode}", extra)
         for n, session in enumerate(results[mode]["sessions"]):
             name = "fresh" if mode == "torchrun" else ("cold", "warm")[n]
+            started = session.get("groups_started", "-")
+            evicted = session.get("evictions_so_far", "-")
             print(
                 f"{mode:<16}{name:<9}{session['wall_s']:>8.1f}{session['passed']:>8}"
-                f"{session.get('groups_started', '-'):>9}{session.get('evictions_so_far', '-'):>11}",
+                f"{started:>9}{evicted:>11}",
                 flush=True,
             )
         if args.json:  # after each mode: a run cut short keeps what it measured
