@@ -103,8 +103,9 @@ def broker_state() -> Path:
 
 @pytest.fixture(scope="session")
 def broker() -> str:
-    """The shared broker's endpoint (also CPQ_ENDPOINT, so pytester runs inherit it)."""
-    return str(_shared["endpoint"])
+    """The shared broker's endpoint (also CPQ_ENDPOINT, so pytester runs inherit it; an
+    xdist worker of this suite finds the controller's there)."""
+    return os.environ["CPQ_ENDPOINT"]
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -274,15 +275,19 @@ def test_stale_cancelled_and_rerun_shards_never_make_a_false_green(
 
     # Rerun shard 1 into run 2 (submit.sh --shard), cancelled midway: the merge lists
     # exactly the tests it did not run, and its row what it ran.
+    resubmitted = time.time()
     _, rerun, merge3 = submit(slurm, project, "--shard", "1", "2", *ks)
     shard1 = results / "shard-1-of-2.json"
 
-    def ran_some() -> bool:
+    def ran_some() -> bool:  # two tests in the manifest, one in the timeline (a loaded CI)
         try:
             data = json.loads(shard1.read_text())
+            lines = (results / "shard-1-of-2.timeline.jsonl").read_text().splitlines()
         except FileNotFoundError:
             return False
-        return data.get("run_id") == run2 and len(data.get("tests", {})) >= 2
+        tasks = [r for r in map(json.loads, filter(None, lines)) if r.get("ev") == "task"]
+        timed = any(float(r.get("t", 0)) >= resubmitted for r in tasks)
+        return data.get("run_id") == run2 and len(data.get("tests", {})) >= 2 and timed
 
     def ran_all(restart: int) -> bool:  # the file is gone for a moment when a shard starts
         try:
