@@ -403,12 +403,14 @@ def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
 
 
 OWN_TIME = """
-import uuid
+import time
 
 
 def test_calls_the_ranks(cpq):
     pool = {{"CPQ_TEST_POOL": "own-time-{tag}"}}  # a spec of its own: its group starts cold
+    start = time.perf_counter()
     assert cpq.run("workers.collectives:rank_info", 1, env=pool).outcome == "passed"
+    print(f"BODY_WALL {{time.perf_counter() - start:.4f}}")
 """
 
 
@@ -421,10 +423,18 @@ def test_a_cpq_run_test_reports_its_own_time_and_the_wait_apart(
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_own_time=OWN_TIME.format(tag=uuid.uuid4().hex))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--junitxml=junit.xml")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--junitxml=junit.xml", "--durations=0", "-vv", "-s"
+    )
     result.assert_outcomes(passed=1)
     (case,) = ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
     waited = float(props["cpq_spawn_wait_s"])
     assert waited > 1.0, props  # a cold group's spawn
-    assert float(case.get("time", "nan")) < waited, (case.attrib, props)
+    out = result.stdout.str()
+    call = re.search(r"([0-9.]+)s call +test_own_time.py::test_calls_the_ranks", out)
+    body = re.search(r"BODY_WALL ([0-9.]+)", out)
+    assert call and body, out
+    # the call's duration is the body's wall time less the measured wait (timer resolution)
+    assert float(call[1]) <= float(body[1]) - waited + 0.05, (out, props, body[1])
+    assert float(case.get("time", "nan")) < float(body[1]), (case.attrib, props)
