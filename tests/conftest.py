@@ -83,6 +83,36 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PYTEST_ADDOPTS"] = f"{addopts} -p no:randomly -p no:hypothesispytest".strip()
 
 
+#: The test files that take longest (``--durations``), run first: with the suite on two xdist
+#: workers, a test file each (``tools/test.sh``), one long file left for the end keeps one
+#: worker busy alone while the other has nothing left.
+LONGEST_FIRST = (
+    "test_warm_torchrun.py",
+    "test_fidelity.py",
+    "fanout/test_slurm.py",
+    "test_gpu_leases.py",
+    "test_parity_toolbox.py",
+    "test_toolbox.py",
+    "test_ranks_run_pytest.py",
+    "test_plugin.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first, the rest in collection order (every xdist worker computes
+    the same order, as xdist asks)."""
+    tests = ROOT / "tests"
+
+    def rank(item: pytest.Item) -> int:
+        try:
+            name = item.path.relative_to(tests).as_posix()
+        except ValueError:
+            return len(LONGEST_FIRST)
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     process = _shared.pop("process", None)
     if process is None:
