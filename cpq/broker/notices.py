@@ -55,8 +55,7 @@ def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = Non
     room = pools.room
     groups = pools.groups.values()
     if room.uses_gpus(spec):
-        used = {gpu for g in groups for gpu in g.process.gpus}
-        free = [gpu for gpu in room.gpus if gpu not in used]
+        free = pools.free_gpus()
         text = f"{len(free)} of {len(room.gpus)} GPUs free"
         now = pools.clock.monotonic()
         elsewhere = pools.leases.held_elsewhere(now) & set(free) if pools.leases else set()
@@ -65,7 +64,7 @@ def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = Non
     else:  # busy ranks cost cores, live ones memory (docs/design.md, "Placement")
         cpu = [g for g in groups if not room.uses_gpus(g.spec)]
         busy = sum(g.spec.world_size for g in cpu if g.state == "busy")
-        held = sum(v.memory_mb for v in pools.view() if v.cpu)
+        held = pools.cpu_memory_mb()
         text = (
             f"{room.max_ranks - busy} of {room.max_ranks} CPU ranks free; "
             f"CPU groups hold {held:.0f} of {room.memory_mb:.0f} MB"

@@ -23,7 +23,7 @@ from cpq.broker.config import BrokerConfig
 from cpq.broker.leases import Leases
 from cpq.broker.model import Group, GroupProcess, Rank, Task, Totals, session_of
 from cpq.broker.placement.history import History
-from cpq.broker.placement.view import DEFAULT_RANK_MB, GroupView, Room
+from cpq.broker.placement.view import GroupView, Room
 from cpq.broker.sharing import GpuSharing, broker_id
 from cpq.broker.timeline import Timeline
 from cpq.protocol import PoolSpec
@@ -113,6 +113,15 @@ class Pools:
         """A group of ``spec`` is starting or idle: it may still serve queued tasks."""
         return any(g.spec == spec and g.state in ("starting", "idle") for g in self.groups.values())
 
+    def free_gpus(self) -> list[str]:
+        """This broker's GPUs that none of its groups holds (stopping ones hold theirs)."""
+        used = {gpu for g in self.groups.values() for gpu in g.process.gpus}
+        return [gpu for gpu in self.room.gpus if gpu not in used]
+
+    def cpu_memory_mb(self) -> float:
+        """What the CPU groups hold, as placement counts it (``--memory``)."""
+        return sum(v.memory_mb for v in self.view() if v.cpu)
+
     def view(self) -> tuple[GroupView, ...]:
         """The groups as placement sees them."""
         return tuple(self._view(g) for g in self.groups.values())
@@ -122,7 +131,6 @@ class Pools:
         memory = 0.0
         if cpu:  # measured where it can be; a group not ready yet holds its spec's estimate
             need = self.history.memory_need(group.spec)
-            need = need or DEFAULT_RANK_MB * group.spec.world_size
             measured = sum(group.rss_mb.values())
             memory = max(measured, need) if group.state == "starting" else measured or need
         growth = tuple(

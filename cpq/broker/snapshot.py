@@ -36,13 +36,13 @@ def describe(
         "started_at": started_at,
         "uptime_s": clock.time() - started_at,
         "gpus": config.gpus,
-        "gpus_free": _free_gpus(pools),
+        "gpus_free": pools.free_gpus(),
         "gpus_fake": config.fake_gpus,
         "gpu_leases": str(config.gpu_leases or ""),
         "gpu_yields": pools.sharing.yields if pools.sharing else 0,
         "max_ranks": config.max_ranks,
         "memory_mb": config.memory_mb,  # what CPU groups may hold (--memory)
-        "memory_used_mb": sum(v.memory_mb for v in pools.view() if v.cpu),
+        "memory_used_mb": pools.cpu_memory_mb(),
         "heartbeat_s": config.heartbeat_s,
         "liveness": config.liveness,
         "log_dir": str(config.log_dir),
@@ -152,8 +152,3 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
             for r in range(ws)
         ],
     }
-
-
-def _free_gpus(pools: Pools) -> list[str]:
-    used = {gpu for g in pools.groups.values() for gpu in g.process.gpus}
-    return [gpu for gpu in pools.room.gpus if gpu not in used]

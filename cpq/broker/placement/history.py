@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 
+from cpq.broker.placement.view import DEFAULT_RANK_MB
 from cpq.protocol import PoolSpec
 
 #: After a spare of a spec failed (it would not start, or died idle), none is started for
@@ -99,16 +100,17 @@ class History:
         return sorted(specs, key=lambda s: (-self.spawn_cost(s, now, window_s), -self.last_used[s]))
 
     def memory_need(self, spec: PoolSpec) -> float:
-        """What a group of ``spec`` holds when ready: the largest of its last measured ready
-        RSS; before any, its world size times the median rank of the groups measured so far
-        (ranks of one interpreter and torch hold alike); 0 before any measurement at all."""
+        """What a group of ``spec`` holds when ready (MB): the largest of its last measured
+        ready RSS; before any, its world size times the median rank of the groups measured
+        so far (ranks of one interpreter and torch hold alike); before any measurement at
+        all, :data:`~cpq.broker.placement.view.DEFAULT_RANK_MB` a rank."""
         measured = self.ready_rss_mb.get(spec)
         if measured:
             return max(measured)
         per_rank = [
             mb / other.world_size for other, sizes in self.ready_rss_mb.items() for mb in sizes
         ]
-        return statistics.median(per_rank) * spec.world_size if per_rank else 0.0
+        return (statistics.median(per_rank) if per_rank else DEFAULT_RANK_MB) * spec.world_size
 
     def group_for(self, spec: PoolSpec, key: str) -> str:
         """The group that last ran ``key`` ("" when none did, or no key)."""

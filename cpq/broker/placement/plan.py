@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from cpq.broker.placement.decisions import Decision, Run, Start, Stop, WantGpus, Yield
-from cpq.broker.placement.view import DEFAULT_RANK_MB, GroupView, Queued, Snapshot, Want
+from cpq.broker.placement.view import GroupView, Queued, Snapshot, Want
 from cpq.protocol import PoolSpec
 
 #: ``since`` of a start no task waits for (a spare, a warm-up): every want is older.
@@ -85,7 +85,7 @@ class Plan:
         return sum(g.memory_mb for g in self.groups.values() if g.cpu)
 
     def memory_need(self, spec: PoolSpec) -> float:
-        return self.snapshot.history.memory_need(spec) or DEFAULT_RANK_MB * spec.world_size
+        return self.snapshot.history.memory_need(spec)
 
     def memory_fits(self, spec: PoolSpec, freed_mb: float = 0.0) -> bool:
         """Would a new group of CPU ``spec`` fit ``--memory`` (after ``freed_mb`` goes)?
