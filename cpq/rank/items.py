@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpq.rank import reset
+
 TARGET = "cpq.rank.items:run_item"
 
 #: Plugins that do the calling process's work (see the module docstring).
@@ -263,8 +265,11 @@ class RankSession:
         self.config.hook.pytest_sessionstart(session=self.session)
         self.items: dict[str, Any] = {}
         self.collected: set[str] = set()
-        #: ``random``/numpy/torch states after this session's last test here (None: none).
+        #: ``random``/numpy/torch states kept while another kind of task ran here (None:
+        #: the live generators are this session's own).
         self.generators: dict[str, Any] | None = None
+        #: Whether a test of this session ran here (its first starts the generators fresh).
+        self.begun = False
 
     def _silence_terminal(self) -> None:
         """Reporting is the calling process's: pytest's terminal reporter is replaced by one
@@ -329,7 +334,7 @@ class RankSession:
             self.config._ensure_unconfigure()
             from cpq.rank import pgroups
 
-            pgroups.destroy_made(self.groups_before)  # what its fixtures made and left
+            pgroups.caller_done(self.groups_before)  # what its fixtures made and left
             devnull = getattr(self, "_devnull", None)
             if devnull is not None:
                 devnull.close()
@@ -383,6 +388,10 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
             logging.getLogger("cpq.rank").exception("finishing the previous session failed")
     if _current is None:
         _forget_test_modules()  # as a fresh process would import them
+        # A new calling session starts from a fresh process's state: no cached CUDA blocks
+        # of the last one, Transformer Engine's process-wide state reset.
+        reset.release_cuda_cache()
+        reset.reset_transformer_engine()
         _current = RankSession(key, setup, rank)
     os.chdir(_current.dir)
     return _current
@@ -443,17 +452,29 @@ def run_item(
         return _not_collected(current, nodeid, item)
     # The generators go on from where this session's previous test left them, as in one
     # pytest process of a fresh run; a session's first test on this rank starts them fresh.
-    if current.generators is None:
+    # They are read out (a CUDA copy) only when another kind of task is about to run here.
+    if not current.begun:
+        current.begun = True
         _fresh_generators()
-    else:
+    elif current.generators is not None:
         _restore_generators(current.generators)
+        current.generators = None
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
-    try:
-        current.run(item, next)
-    finally:
-        current.generators = _generators()
+    current.run(item, next)
     return _item_run(current, rank)
+
+
+def is_item_task(target: str) -> bool:
+    """Whether a task is a test this module runs (its session keeps its own state)."""
+    return target == TARGET
+
+
+def step_aside() -> None:
+    """Another kind of task (a ``cpq.run`` function, a launch) is about to run and reseed
+    the generators: keep the current session's, for its next test here."""
+    if _current is not None and _current.begun and _current.generators is None:
+        _current.generators = _generators()
 
 
 def _not_collected(current: RankSession, nodeid: str, why: str) -> ItemRun:

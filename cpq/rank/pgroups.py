@@ -11,7 +11,14 @@ rank:
   group cannot serve (``nccl`` asked of a ``gloo`` group on a machine with GPUs) is refused,
   as a fresh worker without that backend would refuse it.
 * ``destroy_process_group()`` of the default group (no argument, or the group itself) leaves
-  it warm; destroying a group the code made destroys it for real.
+  it warm but destroys every group the code made, as a fresh process's destroy frees them all
+  (their communicators and GPU memory); destroying a group the code made destroys it for real.
+* Communicators are lazy, as in a fresh process whose code did not bind a device: the warm
+  group is initialised without ``device_id``, so ``new_group`` builds nothing until a group
+  is used. Code that passes ``device_id=`` binds the warm group to that device for as long as
+  it holds the group (until its ``destroy_process_group()``), so its new groups connect at
+  once, as they would in a fresh process. What differs: group names go on counting (a fresh
+  process's destroy restarts them at 0; the warm store still holds the old names' keys).
 * Groups the code made (``new_group``, a ``DeviceMesh``) and did not destroy are destroyed
   when the pytest session that made them ends in this rank (``cpq.rank.items``), so a
   group a module or session fixture built lives as long as that fixture's scope allows.
@@ -67,6 +74,9 @@ def install() -> None:
                 f"init_process_group(backend={asked!r}): this warm group runs {have!r} "
                 "(cpq picks nccl on GPUs, gloo without)"
             )
+        device = _device_arg(args, kwargs)
+        if device is not None:
+            _bind(device)
 
     @functools.wraps(real_destroy)
     def destroy_process_group(group: Any = None) -> None:
@@ -77,7 +87,11 @@ def install() -> None:
                     "Default process group has not been initialized, please make sure to "
                     "call init_process_group."
                 )
-            _hidden = _in_script  # left warm; a script sees it destroyed, as it asked
+            # Left warm, but the code sees it destroyed, as it asked (is_initialized() is
+            # False until its next init_process_group), and every group it made is freed.
+            _hidden = True
+            destroy_made(set())
+            _bind(None)
             return
         real_destroy(group)
 
@@ -98,18 +112,63 @@ def install() -> None:
                 setattr(module, attr, wrapper)
 
 
-_in_script = False
+#: ``init_process_group``'s positional parameters up to ``device_id`` (after ``backend``).
+_INIT_POSITIONAL = (
+    "init_method",
+    "timeout",
+    "world_size",
+    "rank",
+    "store",
+    "group_name",
+    "pg_options",
+    "device_id",
+)
+
+
+def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``device_id`` the code passed to ``init_process_group`` (None: none)."""
+    if "device_id" in kwargs:
+        return kwargs["device_id"]
+    index = _INIT_POSITIONAL.index("device_id")
+    return args[index] if len(args) > index else None
+
+
+def caller_done(before: set[int]) -> None:
+    """A calling session or a launch ended here: the groups it made since ``before`` (ids of
+    :func:`made_groups` then) are destroyed, the warm group is bound to no device and seen
+    initialised again, as the next caller expects to find it."""
+    global _hidden
+    destroy_made(before)
+    _bind(None)
+    _hidden = False
+
+
+def _bind(device: Any) -> None:
+    """Bind the warm group to ``device`` (None: unbind), as the code's own
+    ``init_process_group(device_id=...)`` would have bound a fresh one."""
+    if _warm is None or not hasattr(_warm, "bound_device_id"):
+        return
+    if device is not None:
+        import torch
+
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.index is None:  # torch binds an indexed device only
+            return
+    try:
+        _warm.bound_device_id = device
+    except (RuntimeError, TypeError):
+        log.warning("could not bind the warm process group to %s", device)
 
 
 @contextlib.contextmanager
 def as_fresh_worker() -> Iterator[None]:
     """While a launched script runs: ``is_initialized()`` is False until it initialises."""
-    global _hidden, _in_script
-    _hidden = _in_script = True
+    global _hidden
+    _hidden = True
     try:
         yield
     finally:
-        _hidden = _in_script = False
+        _hidden = False
 
 
 def made_groups() -> list[Any]:

@@ -102,15 +102,49 @@ def reset_state(
     seed: int,
     caller_env: dict[str, str] | None = None,
     rng_state: dict[str, Any] | None = None,
+    generators: bool = True,
 ) -> None:
     """Bring the rank back to its baseline, in the caller's environment (``caller_env``:
     the task variables its client sent; None: the baseline's own, for older clients).
     ``rng_state``: the caller's ``random``/``numpy`` state (:mod:`cpq.rng`), installed
-    after the fixed seed; torch keeps the fixed seed."""
+    after the fixed seed; torch keeps the fixed seed.
+
+    ``generators=False`` for a test the ranks run through pytest: its session keeps the
+    generators, CUDA's cache and Transformer Engine's state going from test to test, as one
+    fresh pytest process does (:mod:`cpq.rank.items`; a session's start is a boundary of
+    its own, :func:`cpq.rank.items.run_item`). That is also what keeps such a task's own cost
+    near zero: the CUDA synchronise and cache release below cost milliseconds a task on a
+    GPU and make the next test allocate its memory again."""
     _apply_environ(baseline, caller_env)
     if os.getcwd() != baseline.cwd:
         os.chdir(baseline.cwd)
     sys.stdout, sys.stderr = baseline.stdout, baseline.stderr
+    if generators:
+        _reset_generators_and_caches(seed)
+    else:
+        _reset_peaks()  # each task's peak is its own (the rank reports it)
+    for hook in _hooks:
+        hook(seed)
+    if rng_state is not None:  # last: a hook that seeds random must not undo the caller's
+        rng.install(rng_state)
+
+
+def release_cuda_cache() -> None:
+    """Wait for the device and hand the allocator's cached blocks back, peaks reset."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _reset_peaks() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _reset_generators_and_caches(seed: int) -> None:
     random.seed(seed)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -123,17 +157,11 @@ def reset_state(
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    _reset_transformer_engine()
-    for hook in _hooks:
-        hook(seed)
-    if rng_state is not None:  # last: a hook that seeds random must not undo the caller's
-        rng.install(rng_state)
+    release_cuda_cache()
+    reset_transformer_engine()
 
 
-def _reset_transformer_engine() -> None:
+def reset_transformer_engine() -> None:
     """Reset TE's process-wide state, if TE was imported by an earlier task.
 
     TE keeps FP8 recipe/amax state in ``FP8GlobalStateManager`` and caches which attention

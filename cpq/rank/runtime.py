@@ -82,7 +82,13 @@ def init_process_group(config: RankConfig) -> None:
 
     if config.dist_backend == "nccl":
         torch.cuda.set_device(config.local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", config.local_rank))
+        # No ``device_id``: a default group bound to a device makes every ``new_group``
+        # build its communicator at once, where the code's own ``init_process_group``
+        # without one builds it on first use (Megatron builds dozens of groups per test
+        # and uses few: eager, they ran the GPU out of memory). The code binds a device
+        # itself when it asks for one (cpq.rank.pgroups). docs/design.md, "The process
+        # group the code sees".
+        dist.init_process_group("nccl")
         probe = torch.ones(1, device="cuda")
     else:
         dist.init_process_group(config.dist_backend)
@@ -219,7 +225,10 @@ def run_task(
     warnings: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
-        reset_state(baseline, task.seed, task.env, task.rng)
+        is_item = items.is_item_task(task.target)
+        if not is_item:
+            items.step_aside()
+        reset_state(baseline, task.seed, task.env, task.rng, generators=not is_item)
         if check_env:
             ran.variable, ran.at_start = importenv.differs()
             if ran.variable:

@@ -97,7 +97,7 @@ def run_script(
             sys.argv = saved_argv
             sys.path[:] = saved_path
             _forget_user_modules(modules_before)
-    pgroups.destroy_made(groups_before)  # what the script made and left
+    pgroups.caller_done(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
     leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
     if code == 0:
