@@ -286,13 +286,11 @@ class FanoutPlugin:
         if self.shard is not None:  # before carry_over clears this shard's own manifest
             found = run_record(self.results, index, count, self.run_id)
             if found is not None:
-                where = Path(found.path).name
                 self.run_input = {
                     "durations": found.run_durations,
                     "shard_by": found.shard_by,
-                    "from": found.durations_from
-                    if where == f"{stem(index, count)}.json"
-                    else f"{found.durations_from}, as {where} recorded it",
+                    "from": found.durations_from,
+                    "record": Path(found.path).name,
                 }
         self.attempts = carry_over(self.results, index, count, self.run_id)
 
@@ -500,9 +498,10 @@ class FanoutPlugin:
         )
         if self.run_input is not None and self.shard is not None:
             terminalreporter.write_line(
-                f"cpq fan-out: the share of run {self.run_id} as it started: "
-                f"{manifest.durations_from} (shard by {manifest.shard_by}), not today's "
-                f"{self.durations_path}"
+                f"cpq fan-out: the partition run {self.run_id} started with (durations of "
+                f"{manifest.durations_from}, shard by {manifest.shard_by}, as "
+                f"{self.run_input.get('record', '?')} recorded them); {self.durations_path} "
+                "as it is now is not read"
             )
         if self.run_id_source == "random":
             terminalreporter.write_line(
