@@ -168,7 +168,15 @@ if ! [[ "$status" =~ ^[0-4]$ ]]; then
 fi
 case $status in
     0 | 1) echo "run $run_id: exit $status; JUnit: $CPQ_RESULTS/junit.xml; logs: $logs" ;;
-    *) echo "run $run_id: exit $status; no JUnit written (no verdict on the whole suite);" \
-        "logs: $logs" ;;
+    *)
+        if [[ -f "$CPQ_RESULTS/junit.xml" ]]; then  # the merge removes another run's
+            echo "run $run_id: exit $status; no JUnit written (no verdict on the whole" \
+                "suite); $CPQ_RESULTS/junit.xml is this run's earlier complete merge's;" \
+                "logs: $logs"
+        else
+            echo "run $run_id: exit $status; no JUnit written (no verdict on the whole" \
+                "suite); logs: $logs"
+        fi
+        ;;
 esac
 exit "$status"
