@@ -206,3 +206,21 @@ def test_junit_says_what_pytests_junit_says(tmp_path: Path) -> None:
         "test_xfail": [("skipped", "pytest.xfail", "bug 12", None)],
         "test_skip": [("skipped", "pytest.skip", "no gpu", "t.py:3: no gpu")],
     }
+
+
+def test_the_message_is_the_exception_never_cpqs_line_about_the_ranks() -> None:
+    """A report of a test the ranks ran may be text only (a rank's plain-text report with
+    cpq's sections after it): its message is the text before them, or its ``E`` lines
+    where cpq's line about the ranks is all the text says first."""
+    from types import SimpleNamespace
+
+    from cpq.fanout.plugin import _crash
+
+    trailer = "failed on rank(s) [0, 1] of 2 (group g1); the report above is rank 0's"
+    plain = SimpleNamespace(longrepr=f"no device here\n{'-' * 20} cpq {'-' * 20}\n{trailer}")
+    plain.longreprtext = plain.longrepr
+    assert _crash(plain) == "no device here"  # type: ignore[arg-type]
+    text = f"    def test():\n>       setup()\nE       ValueError: boom\nE       more\n\n{trailer}"
+    crash = SimpleNamespace(message=f"cpq: {trailer}")
+    ranks = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=crash), longreprtext=text)
+    assert _crash(ranks) == "ValueError: boom\nmore"  # type: ignore[arg-type]
