@@ -19,11 +19,19 @@ launch`` does) is routed too: once ``torch.distributed.run`` is loaded here, its
 replaced by one that turns the parsed arguments back into a command line for ``cpq
 torchrun`` (what it does not know runs the real ``run``) and raises torchrun's
 ``ChildFailedError`` when a rank failed, as the real one does.
+
+A launch runs in a child process, so the seconds it waited for its group to start (the
+broker measures them) would stay there and count as the test's own time; each launch
+appends them, with the test that launched it (``PYTEST_CURRENT_TEST``) and its groups, to
+the file ``CPQ_LAUNCH_WAITS`` names, and :meth:`Routing.fold` hands them to the session as
+a ``cpq.run``'s are (docs/design.md "Fan-out").
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +44,26 @@ from cpq import paths
 ENV_VAR = "CPQ_TORCHRUN"
 #: Set for a launch cpq hands to the real torchrun: the start-up hook leaves it alone.
 REAL_VAR = "CPQ_TORCHRUN_REAL"
+#: The file each launch appends its measured wait for a group to (one JSON line).
+WAITS_VAR = "CPQ_LAUNCH_WAITS"
+
+
+def report_wait(wait_s: float | None, groups: list[str]) -> None:
+    """In ``cpq torchrun``: append this launch's wait and groups for the session that routed
+    it (nothing outside a routed pytest test, or from a broker that did not measure it)."""
+    path, test = os.environ.get(WAITS_VAR), os.environ.get("PYTEST_CURRENT_TEST", "")
+    if not path or not test or wait_s is None:
+        return
+    line = json.dumps({"test": test.rsplit(" (", 1)[0], "wait_s": wait_s, "groups": groups})
+    try:  # one write of one line, appended: launches of xdist workers do not interleave
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the test's time then holds the wait, as before
+
 
 _SHIM = """#!/bin/sh
 # cpq (pytest --cpq-torchrun): this launch runs on a warm group
@@ -194,10 +222,36 @@ class Routing:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         _write(os.path.join(self.folder, "torchrun"), _SHIM.format(python=sys.executable), 0o755)
         _write(os.path.join(self.folder, "sitecustomize.py"), _HOOK.replace("{real}", REAL_VAR))
-        self.saved = {name: os.environ.get(name) for name in ("PATH", "PYTHONPATH")}
+        self.saved = {name: os.environ.get(name) for name in ("PATH", "PYTHONPATH", WAITS_VAR)}
         for name in ("PATH", "PYTHONPATH"):
             before = os.environ.get(name, "")
             os.environ[name] = self.folder + (os.pathsep + before if before else "")
+        self.waits = os.path.join(self.folder, f"waits-{os.getpid()}-{id(self):x}.jsonl")
+        os.environ[WAITS_VAR] = self.waits  # a task variable: no part of any spec
+        self.offset = 0
+
+    def fold(self, waits: dict[str, float], groups: set[str]) -> float:
+        """Add the launches' waits reported since the last call to ``waits`` (by test id)
+        and their groups to ``groups``; the seconds added."""
+        try:
+            with open(self.waits, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return 0.0
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        added = 0.0
+        for line in data[:end].splitlines():
+            try:
+                record = json.loads(line)
+                test, wait = str(record["test"]), float(record["wait_s"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            waits[test] = waits.get(test, 0.0) + wait
+            groups.update(str(g) for g in record.get("groups") or [])
+            added += wait
+        return added
 
     def close(self) -> None:
         module = sys.modules.get("torch.distributed.run")
@@ -208,6 +262,8 @@ class Routing:
             and real
         ):
             setattr(module, "run", real)  # noqa: B010
+        with contextlib.suppress(OSError):
+            os.unlink(self.waits)
         for name, value in self.saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -402,7 +402,11 @@ def pytest_runtest_makereport(
         report = ranks
     elif call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
         report.longrepr = ranks_repr(call.excinfo.value, str(item.path))  # no reports of theirs
-    waits = item.config.stash[SESSION_KEY].spawn_waits
+    session = item.config.stash[SESSION_KEY]
+    routing = item.config.stash.get(ROUTING_KEY, None)
+    if routing is not None:  # the waits of the torchrun launches the test made
+        session.stats.spawn_wait_s += routing.fold(session.spawn_waits, session.stats.groups)
+    waits = session.spawn_waits
     if call.when == "call" and ranks is None and item.nodeid in waits:
         # A body that called cpq.run waited for a group inside its call: --durations, JUnit
         # and the fan-out's slowest list give its own time; the wait is reported apart.

@@ -201,6 +201,9 @@ def main(args: Sequence[str]) -> int:
     except (BrokerUnavailable, OSError, RuntimeError) as exc:
         sys.stderr.write(f"cpq torchrun: the broker went away during the launch: {exc}\n")
         return 1
+    from cpq.client.launches import report_wait
+
+    report_wait(result.spawn_wait_s, list(result.groups or [result.group_id]))
     _write_output(launch, result)
     return _exit_status(launch, result)
 

@@ -9,6 +9,11 @@ So a shard that starts keeps what its run's earlier attempt left (its manifest, 
 ``shard-I-of-N.attempt-K.timeline.jsonl``) before clearing the rest; files of another run
 are cleared, never carried.
 
+Rerunning a shard must reproduce the share it had when its run started, though the merge
+has rewritten the durations file since: every manifest records the partition's input
+(``run_durations``, ``shard_by``), and :func:`run_record` finds the one this run's shards
+recorded, so the rerun computes the same partition from it.
+
 A killed attempt never reaches the end of its session, where the timeline is exported
 whole; :class:`TimelineTail` appends the node's new records to the shard's timeline file
 each time the manifest is rewritten, so a killed attempt leaves its timeline up to its last
@@ -20,7 +25,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cpq.fanout.manifest import Attempt, ManifestError, attempt_timeline, own_files, read, stem
+from cpq.fanout.manifest import (
+    Attempt,
+    Manifest,
+    ManifestError,
+    attempt_timeline,
+    own_files,
+    read,
+    stem,
+)
 
 
 def timeline_file(results: Path, index: int, count: int) -> Path:
@@ -50,6 +63,22 @@ def carry_over(results: Path, index: int, count: int, run_id: str) -> list[Attem
         if path.name not in keep:
             path.unlink(missing_ok=True)
     return kept
+
+
+def run_record(results: Path, index: int, count: int, run_id: str) -> Manifest | None:
+    """A manifest of run ``run_id`` with ``count`` shards in ``results`` that recorded the
+    partition's input (shard ``index``'s own first, then the others'); None when there is
+    none (the run's first attempt at every shard, or results from before cpq recorded it)."""
+    own = results / f"{stem(index, count)}.json"
+    others = sorted(p for p in results.glob(f"shard-*-of-{count}.json") if p != own)
+    for path in [own, *others]:
+        try:
+            found = read(path)
+        except ManifestError:
+            continue
+        if found.run_id == run_id and found.count == count and found.run_durations is not None:
+            return found
+    return None
 
 
 class TimelineTail:

@@ -10,18 +10,23 @@ and a merged JUnit file of part of a suite reads as a green run to a CI that sho
 An error of the merge itself (a bug, not the input) is exit 3, so that no CI reads it as
 "a test failed" (1).
 
-What the merge writes belongs to the run it judged: it first removes the JUnit, trace and
-timeline files it was asked to write, so a merge that writes none (exit 2, 3, 4) leaves no
-file of an earlier run where a CI step would publish it as this run's. The durations file
-is not a run's: it is what every run so far taught the partition, updated, never removed.
+What the merge writes belongs to the run it judged: it removes the trace and timeline files
+it was asked to write, and a JUnit file of another run (the file names its run), so a merge
+that writes none (exit 2, 3, 4) leaves no file of an earlier run where a CI step would
+publish it as this run's. A JUnit file of the same run (an earlier merge, before a shard was
+rerun) is replaced only by a complete merge's: a rerun cancelled midway leaves the run's
+last verdict in place. The durations file is not a run's: it is what every run so far
+taught the partition, updated, never removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import traceback
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from cpq.fanout import durations, junit, manifest
@@ -58,26 +63,41 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)  # --trace/--timeline: every shard's groups on one axis
 
 
-def clear_outputs(args: argparse.Namespace) -> None:
-    """Remove the per-run files this merge was asked for (see the module docstring)."""
+def junit_run(path: Path) -> str | None:
+    """The run a merged JUnit file names (``<testsuites name="cpq run ID">``), else None."""
+    try:
+        name = ET.parse(path).getroot().get("name") or ""
+    except (OSError, ET.ParseError):
+        return None
+    return name.removeprefix("cpq run ") if name.startswith("cpq run ") else None
+
+
+def clear_outputs(args: argparse.Namespace, run_id: str | None) -> None:
+    """Remove the per-run files this merge was asked for, but a JUnit file of ``run_id``
+    (None: the run is not known, every file goes; see the module docstring)."""
     for path in (args.junit, args.trace, args.timeline):
-        if path is not None and path.is_file():
-            path.unlink()
-            print(f"removed {path} (an earlier merge's): this merge writes its own or none")
+        if path is None or not path.is_file():
+            continue
+        if path == args.junit and run_id is not None and junit_run(path) == run_id:
+            print(f"kept {path} (run {run_id}'s earlier merge) until a complete merge replaces it")
+            continue
+        path.unlink()
+        print(f"removed {path} (an earlier merge's): this merge writes its own or none")
 
 
 def run_merge(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    clear_outputs(args)
     try:
         found = manifest.find(args.inputs, empty_ok=args.run_id is not None)
         manifests = [manifest.read(p) for p in found]
         if args.durations is not None:
             durations.load(args.durations)  # refuse a malformed one before writing anything
     except (manifest.ManifestError, durations.DurationsError) as exc:
+        clear_outputs(args, args.run_id)
         print(f"cpq merge: {exc}", file=sys.stderr)
         return EXIT_USAGE
     report = merge(manifests, run_id=args.run_id)
+    clear_outputs(args, report.run_id or None)
     print(render(report, top=args.top))
     if report.exit_code == EXIT_INCOMPLETE:
         print("nothing written: the run is incomplete (exit 2)")
@@ -136,6 +156,8 @@ def guarded(args: argparse.Namespace) -> int:
         return run_merge(args)
     except Exception:
         traceback.print_exc()
+        with contextlib.suppress(OSError):
+            clear_outputs(args, args.run_id)
         print("cpq merge: internal error (exit 3): no verdict", file=sys.stderr)
         return EXIT_INTERNAL
 

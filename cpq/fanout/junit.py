@@ -3,7 +3,10 @@
 Why cpq writes its own instead of reusing pytest's ``--junitxml``: the shard's file must
 exist whether or not the user asked for one, land under a name the merge can find, and the
 merged file must be built from the same records the exactly-once check reads (one source
-of truth). The shape is the common JUnit subset every CI reader accepts.
+of truth). The shape is the common JUnit subset every CI reader accepts, with pytest's
+own words where pytest's ``--junitxml`` has them: a failure's ``message`` is the exception
+line, an error's ``failed on setup with "..."``, a skip is ``type="pytest.skip"`` with its
+reason and location, an xfail ``type="pytest.xfail"`` with its reason.
 
 Every file names its run (``<testsuites name="cpq run ID">`` and a ``cpq_run_id`` property
 on each suite): a CI that publishes a results directory must be able to tell this run's
@@ -38,6 +41,14 @@ def _clean(text: str) -> str:
     return "".join(c if c in "\t\n\r" or ord(c) >= 32 else f"\\x{ord(c):02x}" for c in text)
 
 
+def _message(record: TestRecord) -> str:
+    """The ``message`` pytest's own JUnit writes (``_pytest.junitxml``): an error says in
+    which phase it happened and quotes the exception line."""
+    if record.outcome == "error" and record.when in ("setup", "teardown"):
+        return f'failed on {record.when} with "{record.message}"'
+    return record.message
+
+
 def testcase(test_id: str, record: TestRecord) -> ET.Element:
     classname, name = _split(test_id)
     case = ET.Element(
@@ -49,7 +60,9 @@ def testcase(test_id: str, record: TestRecord) -> ET.Element:
         ET.SubElement(properties, "property", name="cpq_spawn_wait_s", value=wait)
     tag = _TAGS.get(record.outcome)
     if tag is not None:
-        child = ET.SubElement(case, tag, message=_clean(record.message))
+        child = ET.SubElement(case, tag, message=_clean(_message(record)))
+        if record.kind:
+            child.set("type", record.kind)
         child.text = _clean(record.details) or None
     if record.retries:
         ET.SubElement(case, "system-err").text = f"[CPQ-RETRY] {record.retries} retr(y/ies)"

@@ -54,6 +54,10 @@ class TestRecord:
     #: Whether ``wall_s`` includes that wait: a test run in the pytest process that waited
     #: for ``cpq.run`` does; one the ranks ran through pytest reports their own time only.
     wait_in_wall: bool = True
+    #: What pytest's JUnit says of it (:mod:`cpq.fanout.junit`): the phase a failure or
+    #: error happened in, and ``pytest.xfail`` or ``pytest.skip`` for a skipped test.
+    when: str = ""
+    kind: str = ""
 
     @property
     def own_s(self) -> float:
@@ -105,6 +109,13 @@ class Manifest:
     tests: dict[str, TestRecord] = field(default_factory=dict)
     #: Earlier attempts at this shard in this run, oldest first (see :class:`Attempt`).
     attempts: list[Attempt] = field(default_factory=list)
+    #: The partition's input, fixed when the run started (a rerun of a shard of this run
+    #: computes its share from it, whatever the durations file says by then): the seconds
+    #: of the collected tests and the spawn costs it read (None: a manifest from before
+    #: cpq recorded it), where they came from, and ``--cpq-shard-by``.
+    run_durations: dict[str, float] | None = None
+    durations_from: str = ""
+    shard_by: str = "test"
     path: str = ""  # where it was read from (not written)
 
     def durations(self) -> dict[str, float]:
@@ -195,6 +206,8 @@ def from_json(data: object, where: str) -> Manifest:
             details=str(raw.get("details", "")),
             spawn_wait_s=_seconds_or_none(raw.get("spawn_wait_s"), f"{at}: 'spawn_wait_s'"),
             wait_in_wall=raw.get("wait_in_wall", True) is not False,
+            when=str(raw.get("when", "")),
+            kind=str(raw.get("kind", "")),
         )
     index = _need(data, "index", int, where)
     count = _need(data, "count", int, where)
@@ -224,8 +237,22 @@ def from_json(data: object, where: str) -> Manifest:
         spawn_s={str(k): float(v) for k, v in spawn_s.items() if isinstance(v, number)},
         tests=tests,
         attempts=attempts,
+        run_durations=_durations(data.get("run_durations"), where),
+        durations_from=str(data.get("durations_from", "")),
+        shard_by=str(data.get("shard_by", "test")),
         path=where,
     )
+
+
+def _durations(raw: object, where: str) -> dict[str, float] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: 'run_durations' must be an object of seconds")
+    return {
+        str(k): float(_seconds_or_none(v, f"{where}: 'run_durations' {k!r}") or 0.0)
+        for k, v in raw.items()
+    }
 
 
 def _attempt(raw: object, where: str) -> Attempt:

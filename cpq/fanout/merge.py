@@ -88,10 +88,13 @@ def _agreement(manifests: Sequence[Manifest], report: MergeReport) -> None:
             f"shards collected different suites: {groups}; differing tests: {_listing(differing)}"
         )
     by_partition: dict[str, list[str]] = defaultdict(list)
+    inputs: dict[str, str] = {}
     for manifest in manifests:
         by_partition[manifest.partition_hash].append(_label(manifest))
+        source = manifest.durations_from and f", durations of {manifest.durations_from}"
+        inputs.setdefault(manifest.partition_hash, f"{source}, by {manifest.shard_by}")
     if len(by_partition) > 1 and len(by_collection) == 1:
-        groups = "; ".join(f"{', '.join(v)} (hash {k})" for k, v in by_partition.items())
+        groups = "; ".join(f"{', '.join(v)} (hash {k}{inputs[k]})" for k, v in by_partition.items())
         report.problems.append(
             "shards computed different selections from the same collection (different "
             f"durations files or cpq versions?): {groups}"

@@ -22,6 +22,7 @@ hands it on with the test's report as the :data:`SPAWN_WAIT_PROPERTY` user prope
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from typing import Any
 import pytest
 
 from cpq.fanout import brokerargs, durations, junit, runid
-from cpq.fanout.attempts import TimelineTail, carry_over, timeline_file
+from cpq.fanout.attempts import TimelineTail, carry_over, run_record, timeline_file
 from cpq.fanout.manifest import Attempt, Manifest, ManifestError, TestRecord, own_files, read, stem
 from cpq.fanout.shard import (
     SPAWN_PREFIX,
@@ -54,6 +55,20 @@ SPAWN_WAIT_PROPERTY = "cpq_spawn_wait_s"
 RANK_TIME_PROPERTY = "cpq_rank_time"
 #: Least seconds between two rewrites of the manifest while tests run.
 FLUSH_EVERY_S = 1.0
+#: What ``--cpq-shard-by`` keeps on one shard: a test alone, a module's tests, a class's.
+SHARD_BY = ("test", "module", "class")
+SHARD_BY_VAR = "CPQ_SHARD_BY"
+#: The spawn-cost label of waits of tests with no pool spec known at collection (torchrun
+#: launches under ``--cpq-torchrun``, ``cpq.run`` from a test without a marker).
+UNMARKED_WAITS = "unmarked"
+#: The run's partition input a controller hands its xdist workers (``workerinput``).
+RUN_RECORD_KEY = "cpq_run_record"
+#: The sections cpq adds after the failing rank's report of a test the ranks ran
+#: (``cpq.client.combine``, docs/design.md "Fan-out"): not the exception pytest's JUnit
+#: ``message`` names.
+_CPQ_SECTION = re.compile(r"\n-{20} (?:cpq|rank \d+) -{20}\n")
+#: cpq's last line naming the failing ranks (``cpq.client.report``), never the message.
+_TRAILER = re.compile(r"^(cpq: )?failed on rank\(s\) ")
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -85,6 +100,41 @@ def add_options(parser: pytest.Parser) -> None:
         default=False,
         help="update the durations file with this session's test walls at the end",
     )
+    group.addoption(
+        "--cpq-shard-by",
+        default=None,
+        choices=SHARD_BY,
+        help="what a shard keeps together: each test alone (default), each module's tests, "
+        "or each class's tests (CPQ_SHARD_BY, ini cpq_shard_by)",
+    )
+    parser.addini("cpq_shard_by", "what a shard keeps together: test, module or class")
+
+
+def shard_by(config: pytest.Config) -> str:
+    """``--cpq-shard-by``, else ``CPQ_SHARD_BY``, else ini ``cpq_shard_by``, else ``test``."""
+    value = (
+        config.getoption("cpq_shard_by", None)
+        or os.environ.get(SHARD_BY_VAR)
+        or config.getini("cpq_shard_by")
+        or "test"
+    )
+    value = str(value).strip().lower()
+    if value not in SHARD_BY:
+        raise pytest.UsageError(
+            f"cpq: shard by {value!r} (CPQ_SHARD_BY or ini cpq_shard_by): expected one of "
+            + ", ".join(SHARD_BY)
+        )
+    return value
+
+
+def _group(item: pytest.Item, by: str) -> str:
+    """The unit a test shares a shard with: "" (alone), its module's path, or its outermost
+    class's node id (a test outside any class stays alone)."""
+    if by == "module":
+        return item.nodeid.split("::", 1)[0]
+    if by == "class" and getattr(item, "cls", None) is not None:
+        return "::".join(item.nodeid.split("::", 2)[:2])
+    return ""
 
 
 def _suite_world_size(config: pytest.Config) -> int | None:
@@ -116,8 +166,31 @@ def _spec(item: pytest.Item) -> str | None:
     return spec_label(world_size, env if isinstance(env, dict) else {})
 
 
+def _crash(report: pytest.TestReport) -> str:
+    """The failure's message as pytest's JUnit gives it: the exception line (``reprcrash``),
+    else the report's text, less what cpq adds about the ranks (:data:`_CPQ_SECTION`); where
+    cpq's line about the ranks is all there is, the report's ``E`` lines."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = str(getattr(crash, "message", "") or "")
+    if not message:
+        message = _CPQ_SECTION.split(str(report.longrepr), maxsplit=1)[0].strip()
+    if _TRAILER.match(message):
+        lines = report.longreprtext.splitlines()
+        start = next((n for n, line in enumerate(lines) if line.startswith("E ")), None)
+        if start is not None:
+            block = []
+            for line in lines[start:]:
+                if not line.startswith("E "):
+                    break
+                block.append(line[1:].strip())
+            message = "\n".join(block)
+    return message
+
+
 def _record(records: dict[str, TestRecord], report: pytest.TestReport) -> None:
-    """Fold one phase's report into the test's record."""
+    """Fold one phase's report into the test's record, with what pytest's JUnit says of it
+    (``junitxml``: the message of a failure or error, a skip's reason and location, an
+    xfail's reason)."""
     record = records.setdefault(report.nodeid, TestRecord(outcome="passed", wall_s=0.0))
     record.wall_s += report.duration
     record.retries += report.capstderr.count("[CPQ-RETRY]")
@@ -128,15 +201,22 @@ def _record(records: dict[str, TestRecord], report: pytest.TestReport) -> None:
             record.wait_in_wall = False
     if report.failed:
         record.outcome = "failed" if report.when == "call" else "error"
-        crash = getattr(report.longrepr, "reprcrash", None)
-        text = report.longreprtext
-        last = (text.strip().splitlines() or [""])[-1]
-        record.message = str(getattr(crash, "message", "") or last)
-        record.details = text[-DETAILS_LIMIT:]
+        record.when = report.when
+        record.message = _crash(report)
+        record.details = report.longreprtext[-DETAILS_LIMIT:]
     elif report.skipped and record.outcome == "passed":
         record.outcome = "skipped"
         longrepr = report.longrepr
-        record.message = str(longrepr[2]) if isinstance(longrepr, tuple) else "skipped"
+        if hasattr(report, "wasxfail"):
+            record.kind = "pytest.xfail"
+            record.message = str(report.wasxfail).removeprefix("reason: ")
+        elif isinstance(longrepr, tuple):
+            reason = str(longrepr[2]).removeprefix("Skipped: ")
+            record.kind = "pytest.skip"
+            record.message = reason
+            record.details = f"{longrepr[0]}:{longrepr[1]}: {reason}"
+        else:
+            record.kind, record.message = "pytest.skip", "skipped"
 
 
 class FanoutPlugin:
@@ -167,6 +247,13 @@ class FanoutPlugin:
         elif self.shard is not None:
             self.results = config.rootpath / ".cpq" / "results"
         self.write_durations = bool(config.getoption("cpq_write_durations"))
+        self.shard_by = shard_by(config)
+        #: The partition input this run's shards recorded (durations, shard-by, where), which
+        #: a rerun of a shard of the run uses instead of today's durations file; a worker's
+        #: comes from its controller.
+        self.run_input: dict[str, Any] | None = getattr(config, "workerinput", {}).get(
+            RUN_RECORD_KEY
+        )
         self.run_id, self.run_id_source = runid.from_env(os.environ)
         if not self.is_worker and self.active:
             os.environ[runid.RUN_ID_VAR] = self.run_id  # xdist workers start with this one
@@ -196,6 +283,15 @@ class FanoutPlugin:
         if self.results is None or self.is_worker:
             return
         index, count = (self.shard.index, self.shard.count) if self.shard else (0, 1)
+        if self.shard is not None:  # before carry_over clears this shard's own manifest
+            found = run_record(self.results, index, count, self.run_id)
+            if found is not None:
+                self.run_input = {
+                    "durations": found.run_durations,
+                    "shard_by": found.shard_by,
+                    "from": found.durations_from,
+                    "record": Path(found.path).name,
+                }
         self.attempts = carry_over(self.results, index, count, self.run_id)
 
     # ----------------------------------------------------------------- collection
@@ -206,14 +302,23 @@ class FanoutPlugin:
     ) -> None:
         if not self.active:
             return
-        tests = [TestInfo(item.nodeid, _spec(item)) for item in items]
+        index, count = (self.shard.index, self.shard.count) if self.shard else (0, 1)
+        if self.run_input is not None:  # the run's own partition input, fixed at its start
+            recorded = dict(self.run_input["durations"])
+            by, source = str(self.run_input["shard_by"]), str(self.run_input["from"])
+        else:
+            try:
+                recorded = durations.load(self.durations_path)
+            except durations.DurationsError as exc:
+                raise pytest.UsageError(f"cpq: {exc}") from None
+            by, source = self.shard_by, str(self.durations_path)
+        tests = [TestInfo(item.nodeid, _spec(item), _group(item, by)) for item in items]
         self.specs = {t.test_id: t.spec for t in tests if t.spec is not None}
         collected = [t.test_id for t in tests]
-        index, count = (self.shard.index, self.shard.count) if self.shard else (0, 1)
-        try:
-            recorded = durations.load(self.durations_path)
-        except durations.DurationsError as exc:
-            raise pytest.UsageError(f"cpq: {exc}") from None
+        known = set(collected)
+        # What the partition reads (the collected tests' seconds, the spawn costs): recorded
+        # in the manifest, so a rerun of this shard computes the same share from it.
+        recorded = {k: v for k, v in recorded.items() if k in known or k.startswith(SPAWN_PREFIX)}
         self.recorded = recorded
         shards = partition(tests, count, recorded) if self.shard else [collected]
         keep = set(shards[index])
@@ -236,6 +341,9 @@ class FanoutPlugin:
             restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             started_at=self.started_at,
             attempts=list(self.attempts),
+            run_durations=recorded,
+            durations_from=source,
+            shard_by=by,
         )
         workeroutput = getattr(config, "workeroutput", None)
         if workeroutput is not None:
@@ -369,8 +477,8 @@ class FanoutPlugin:
         parallel = bool(getattr(self.config.option, "numprocesses", None))
         costs: dict[str, float] = {}
         for test_id, record in self.records.items():
-            label = self.specs.get(test_id)
-            if label is None or record.spawn_wait_s is None:
+            label = self.specs.get(test_id) or UNMARKED_WAITS
+            if record.spawn_wait_s is None:
                 continue
             seen = costs.get(label, 0.0)
             wait = record.spawn_wait_s
@@ -388,6 +496,13 @@ class FanoutPlugin:
             f"{len(manifest.selected)} of {len(manifest.collected)} tests of run "
             f"{self.run_id}{where}",
         )
+        if self.run_input is not None and self.shard is not None:
+            terminalreporter.write_line(
+                f"cpq fan-out: the partition run {self.run_id} started with (durations of "
+                f"{manifest.durations_from}, shard by {manifest.shard_by}, as "
+                f"{self.run_input.get('record', '?')} recorded them); {self.durations_path} "
+                "as it is now is not read"
+            )
         if self.run_id_source == "random":
             terminalreporter.write_line(
                 f"cpq fan-out: no CI run id found; this shard made up {self.run_id} (set "
@@ -400,6 +515,12 @@ class FanoutXdistController:
 
     def __init__(self, plugin: FanoutPlugin) -> None:
         self.plugin = plugin
+
+    def pytest_configure_node(self, node: Any) -> None:
+        """A worker computes the share from the run's recorded input too (the controller
+        read it before it cleared this shard's files)."""
+        if self.plugin.run_input is not None:
+            node.workerinput[RUN_RECORD_KEY] = self.plugin.run_input
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         data = getattr(node, "workeroutput", {}).get(WORKER_KEY)

@@ -76,6 +76,9 @@ class TestInfo:
 
     test_id: str
     spec: str | None = None  # pool spec label of a marker test; None for an unmarked test
+    #: The unit it must share a shard with (its module or class under ``--cpq-shard-by``);
+    #: "" keeps it alone (the default, ``test``).
+    group: str = ""
 
 
 def parse_shard(text: str, source: str = "--cpq-shard") -> ShardSpec:
@@ -143,25 +146,25 @@ def spawn_seconds(label: str, durations: Mapping[str, float]) -> float:
 
 
 def _split_counts(
-    groups: Mapping[str, list[TestInfo]],
-    cost: Mapping[str, float],
+    groups: Mapping[str, list[tuple[float, str]]],
+    work: float,
     durations: Mapping[str, float],
     count: int,
 ) -> dict[str, int]:
-    """Over how many shards each spec's tests spread (each chunk pays the spawn once).
+    """Over how many shards each spec's units spread (each chunk pays the spawn once).
 
     Spreading a spec over k shards shortens its longest chunk to about (T - s) / k + s but
     adds (k - 1) spawns to the total work; k is the one that minimises the larger of the two
-    bounds on the makespan, with every other spec's spawn counted once.
+    bounds on the makespan, with every other spec's spawn counted once. ``groups`` holds
+    each spec's units as (seconds, id); ``work`` is every test's seconds.
     """
-    work = sum(cost.values())
     spawns = {label: spawn_seconds(label, durations) for label in groups}
     total = work + sum(spawns.values())
     counts: dict[str, int] = {}
-    for label, tests in groups.items():
+    for label, units in groups.items():
         s = spawns[label]
-        own = sum(cost[t.test_id] for t in tests)
-        limit = min(count, len(tests))
+        own = sum(seconds for seconds, _ in units)
+        limit = min(count, len(units))
         counts[label] = min(
             range(1, limit + 1),
             key=lambda k: (max(own / k + s, (total + (k - 1) * s) / count), k),
@@ -180,50 +183,81 @@ def _lpt(items: Sequence[tuple[float, str]], bins: int) -> list[list[str]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """Tests that go to one shard together: one test (``--cpq-shard-by test``), or a module's
+    or class's tests; ``key`` (its least test id) orders equal costs."""
+
+    key: str
+    ids: tuple[str, ...]
+    seconds: float
+    specs: frozenset[str]
+
+
+def _units(unique: Sequence[TestInfo], cost: Mapping[str, float]) -> list[_Unit]:
+    members: dict[tuple[bool, str], list[TestInfo]] = {}
+    for test in unique:
+        key = (True, test.group) if test.group else (False, test.test_id)
+        members.setdefault(key, []).append(test)
+    return [
+        _Unit(
+            key=min(t.test_id for t in tests),
+            ids=tuple(t.test_id for t in tests),
+            seconds=sum(cost[t.test_id] for t in tests),
+            specs=frozenset(t.spec for t in tests if t.spec is not None),
+        )
+        for tests in members.values()
+    ]
+
+
 def partition(
     tests: Sequence[TestInfo], count: int, durations: Mapping[str, float]
 ) -> list[list[str]]:
     """The test ids of each of ``count`` shards, each list in collection order.
 
-    Marker tests of one spec are first split into as many chunks as it pays to spawn that
+    Tests of one :attr:`TestInfo.group` (a module or a class under ``--cpq-shard-by``) form
+    one unit that lands on one shard; every other test is a unit of its own. Units whose
+    tests need one pool spec are first split into as many chunks as it pays to spawn that
     spec on (:func:`_split_counts`, balanced longest first); each chunk costs its tests
-    plus one spawn, each unmarked test is a chunk of its own. Chunks then go longest first
-    onto the shard whose load after placing them is smallest (a shard that already has the
-    spec pays no second spawn); ties go to the lower shard index, chunks of equal cost in
-    test id order. Duplicate ids (which pytest never produces) keep their first occurrence.
+    plus one spawn; a unit of unmarked tests, or of tests of several specs, is a chunk of
+    its own. Chunks then go longest first onto the shard whose load after placing them is
+    smallest (a shard that already has a spec pays no second spawn for it); ties go to the
+    lower shard index, chunks of equal cost in test id order. Duplicate ids (which pytest
+    never produces) keep their first occurrence.
     """
     if count < 1:
         raise ShardError(f"shard count must be at least 1, got {count}")
     unique = list({t.test_id: t for t in reversed(tests)}.values())[::-1]
     cost = expected_seconds(unique, durations)
-    groups: dict[str, list[TestInfo]] = {}
-    for test in unique:
-        if test.spec is not None:
-            groups.setdefault(test.spec, []).append(test)
-    chunks: list[tuple[float, str, str | None, list[str]]] = []  # (seconds, key, spec, ids)
-    for spec, k in sorted(_split_counts(groups, cost, durations, count).items()):
-        members = [(cost[t.test_id], t.test_id) for t in groups[spec]]
-        for ids in _lpt(members, k):
-            if ids:
-                chunks.append((sum(cost[i] for i in ids), min(ids), spec, ids))
-    chunks += [(cost[t.test_id], t.test_id, None, [t.test_id]) for t in unique if t.spec is None]
+    units = _units(unique, cost)
+    by_key = {u.key: u for u in units}
+    groups: dict[str, list[tuple[float, str]]] = {}
+    for unit in units:
+        if len(unit.specs) == 1:
+            groups.setdefault(next(iter(unit.specs)), []).append((unit.seconds, unit.key))
+    chunks: list[tuple[float, str, frozenset[str], list[str]]] = []  # seconds, key, specs, ids
+    for spec, k in sorted(_split_counts(groups, sum(cost.values()), durations, count).items()):
+        for keys in _lpt(groups[spec], k):
+            if keys:
+                ids = [i for key in keys for i in by_key[key].ids]
+                seconds = sum(by_key[key].seconds for key in keys)
+                chunks.append((seconds, min(keys), frozenset({spec}), ids))
+    chunks += [(u.seconds, u.key, u.specs, list(u.ids)) for u in units if len(u.specs) != 1]
+
+    def spawns(labels: frozenset[str]) -> float:
+        return sum(spawn_seconds(label, durations) for label in sorted(labels))
+
     loads = [0.0] * count
     specs: list[set[str]] = [set() for _ in range(count)]
     chosen: dict[str, int] = {}
-    for seconds, _, label, ids in sorted(
-        chunks, key=lambda c: (-(c[0] + (spawn_seconds(c[2], durations) if c[2] else 0)), c[1])
-    ):
+    for seconds, _, labels, ids in sorted(chunks, key=lambda c: (-(c[0] + spawns(c[2])), c[1])):
 
-        def after(shard: int, seconds: float = seconds, label: str | None = label) -> float:
-            extra = 0.0
-            if label is not None and label not in specs[shard]:
-                extra = spawn_seconds(label, durations)
-            return loads[shard] + seconds + extra
+        def after(shard: int, seconds: float = seconds, labels: frozenset[str] = labels) -> float:
+            return loads[shard] + seconds + spawns(labels - specs[shard])
 
         best = min(range(count), key=lambda s: (after(s), s))
         loads[best] = after(best)
-        if label is not None:
-            specs[best].add(label)
+        specs[best] |= labels
         chosen.update(dict.fromkeys(ids, best))
     shards: list[list[str]] = [[] for _ in range(count)]
     for test in unique:

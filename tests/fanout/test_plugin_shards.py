@@ -175,3 +175,110 @@ def test_a_killed_shard_keeps_what_it_ran_and_no_earlier_result(
     assert [(a["tests"], a["complete"]) for a in data["attempts"]] == [(2, False)]
     assert cli.main([str(results)]) == 0
     assert re.search(r"^   attempt 0 +\S+ +2 .* lost$", capsys.readouterr().out, re.M)
+
+
+MODULES = {
+    "test_one": "import pytest\n\n@pytest.mark.parametrize('n', range(4))\ndef test_a(n):\n"
+    "    pass\n",
+    "test_two": "def test_b():\n    pass\n\ndef test_c():\n    pass\n",
+    "test_three": "class TestK:\n    def test_d(self):\n        pass\n\n    def test_e(self):\n"
+    "        pass\n\n\ndef test_f():\n    pass\n\ndef test_g():\n    pass\n",
+}
+
+
+def selections(results: Path) -> list[set[str]]:
+    return [set(d["selected"]) for d in manifests(results)]
+
+
+@pytest.mark.parametrize(
+    ("how", "by"),
+    [
+        (("--cpq-shard-by=module",), "module"),
+        (("--cpq-shard-by", "class"), "class"),
+        ((), "module"),  # CPQ_SHARD_BY
+        (("-o", "cpq_shard_by=module"), "module"),  # the ini option
+    ],
+)
+def test_shard_by_keeps_a_module_or_a_class_on_one_shard(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, how: tuple[str, ...], by: str
+) -> None:
+    pytester.makepyfile(**MODULES)
+    if not how:
+        monkeypatch.setenv("CPQ_SHARD_BY", "module")
+    results = pytester.path / "out"
+    for index in range(3):
+        run = pytester.runpytest_subprocess(
+            *BASE, *how, f"--cpq-shard={index}/3", f"--cpq-results={results}"
+        )
+        assert run.ret == 0, run.stdout.str()
+    shards = selections(results)
+    assert sorted(i for s in shards for i in s) == sorted(manifests(results)[0]["collected"])
+    whole = ["test_one.py", "test_two.py", "test_three.py"]
+    if by == "class":
+        whole = ["test_three.py::TestK"]
+        loose = {i for s in shards for i in s if i.startswith("test_one.py")}
+        assert len([s for s in shards if s & loose]) > 1  # a module's functions spread
+    for unit in whole:
+        assert len([s for s in shards if any(i.startswith(unit) for i in s)]) == 1, (unit, shards)
+    assert {d["shard_by"] for d in manifests(results)} == {by}
+    assert cli.main([str(results)]) == 0
+
+
+def test_a_bad_shard_by_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(**MODULES)
+    bad = pytester.runpytest_subprocess(*BASE, "--cpq-shard=0/2", "--cpq-shard-by=file")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*invalid choice: 'file'*"])
+    bad = pytester.runpytest_subprocess(*BASE, "--cpq-shard=0/2", "-o", "cpq_shard_by=scope")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*shard by 'scope'*expected one of test, module, class*"])
+
+
+RERUN = """
+import os
+import time
+
+import pytest
+
+SECONDS = [0.3, 0.2] + [0.01] * 6
+
+
+@pytest.mark.parametrize("n", range(len(SECONDS)))
+def test_t(n):
+    time.sleep(SECONDS[n])
+    assert not (n == 3 and os.path.exists("broken")), "broken"
+"""
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")])
+def test_a_rerun_shard_computes_its_runs_share_whatever_the_durations_say_now(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str], workers: tuple[str, ...]
+) -> None:
+    """The documented recovery, by hand: run, merge (which rewrites the durations file),
+    rerun the failed shard with the run's id, merge again: the run's verdict."""
+    pytester.makepyfile(test_suite=RERUN)
+    (pytester.path / "broken").touch()
+    results, learned = pytester.path / "out", pytester.path / "d.json"
+    plugins = ("-p", "xdist.plugin") if workers else ()
+    args = (*BASE, *plugins, *workers, f"--cpq-results={results}", f"--cpq-durations={learned}")
+    for index in range(2):
+        pytester.runpytest_subprocess(*args, f"--cpq-shard={index}/2")
+    first = selections(results)
+    merge = ["--durations", str(learned), "--junit", str(results / "junit.xml"), str(results)]
+    assert cli.main(merge) == 1
+    # What today's durations file would give: another partition (else the test proves nothing).
+    from cpq.fanout.shard import TestInfo, partition
+
+    collected = manifests(results)[0]["collected"]
+    now = partition([TestInfo(i) for i in collected], 2, json.loads(learned.read_text()))
+    assert [set(s) for s in now] != first
+    failing = next(n for n, s in enumerate(first) if "test_suite.py::test_t[3]" in s)
+
+    (pytester.path / "broken").unlink()
+    capsys.readouterr()
+    rerun = pytester.runpytest_subprocess(*args, f"--cpq-shard={failing}/2")
+    assert rerun.ret == 0, rerun.stdout.str()
+    rerun.stdout.fnmatch_lines(["*the partition run run-1 started with*"])
+    assert selections(results) == first
+    assert cli.main(merge) == 0, capsys.readouterr().out
+    assert "every collected test ran exactly once and passed" in capsys.readouterr().out

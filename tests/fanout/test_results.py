@@ -144,3 +144,83 @@ def test_an_incomplete_merge_leaves_no_junit_or_timeline_of_an_earlier_run(
     (tmp_path / "empty").mkdir()
     assert cli.main(["--run-id", "r", str(tmp_path / "empty")]) == 2  # all cancelled early
     assert "no results of run r" in capsys.readouterr().out
+
+
+def test_a_runs_junit_is_replaced_only_by_a_complete_merge_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rerun of one shard that is cancelled midway leaves its run's earlier verdict in
+    place; a merge of another run removes it, whatever that merge's verdict."""
+    results = shard_results()
+    for shard in results:
+        shard.run_id = "run-a"
+    directory = write_results(tmp_path, results)
+    out = tmp_path / "junit.xml"
+    assert cli.main(["--junit", str(out), str(directory)]) == 0
+    assert ET.parse(out).getroot().get("name") == "cpq run run-a"
+    written = out.read_bytes()
+
+    results[1].complete = False  # the rerun of shard 1, cancelled midway
+    results[1].write(directory)
+    assert cli.main(["--junit", str(out), "--run-id", "run-a", str(directory)]) == 2
+    assert out.read_bytes() == written, "a complete verdict of the run stays"
+    assert "kept" in capsys.readouterr().out
+    assert cli.main(["--junit", str(out), str(directory)]) == 2  # the run found, not given
+    assert out.read_bytes() == written
+
+    results[1].complete = True  # the rerun again, to its end: a new complete verdict
+    results[1].tests[results[1].selected[0]] = TestRecord("failed", 1.0, message="no")
+    results[1].write(directory)
+    assert cli.main(["--junit", str(out), str(directory)]) == 1
+    assert b'message="no"' in out.read_bytes()
+
+    results[0].run_id = "run-b"  # another run's merge (incomplete): run-a's file goes
+    results[0].write(directory)
+    assert cli.main(["--junit", str(out), "--run-id", "run-b", str(directory)]) == 2
+    assert not out.exists()
+
+
+def test_junit_says_what_pytests_junit_says(tmp_path: Path) -> None:
+    """Messages and types as ``_pytest.junitxml`` writes them (the records come from real
+    sessions in test_pytest_fidelity.py; here each kind once)."""
+    records = {
+        "t.py::test_setup": TestRecord("error", 0.1, message="ValueError: x", when="setup"),
+        "t.py::test_teardown": TestRecord("error", 0.1, message="OSError", when="teardown"),
+        "t.py::test_fail": TestRecord("failed", 0.1, message="assert 1 == 2", when="call"),
+        "t.py::test_xfail": TestRecord("skipped", 0.1, message="bug 12", kind="pytest.xfail"),
+        "t.py::test_skip": TestRecord(
+            "skipped", 0.1, message="no gpu", details="t.py:3: no gpu", kind="pytest.skip"
+        ),
+    }
+    shard = record(0, selected=list(records), collected=list(records))
+    shard.tests = records
+    junit.write(tmp_path / "j.xml", [shard])
+    got = {
+        c.get("name"): [(e.tag, e.get("type"), e.get("message"), e.text) for e in c]
+        for c in ET.parse(tmp_path / "j.xml").iter("testcase")
+    }
+    assert got == {
+        "test_setup": [("error", None, 'failed on setup with "ValueError: x"', None)],
+        "test_teardown": [("error", None, 'failed on teardown with "OSError"', None)],
+        "test_fail": [("failure", None, "assert 1 == 2", None)],
+        "test_xfail": [("skipped", "pytest.xfail", "bug 12", None)],
+        "test_skip": [("skipped", "pytest.skip", "no gpu", "t.py:3: no gpu")],
+    }
+
+
+def test_the_message_is_the_exception_never_cpqs_line_about_the_ranks() -> None:
+    """A report of a test the ranks ran may be text only (a rank's plain-text report with
+    cpq's sections after it): its message is the text before them, or its ``E`` lines
+    where cpq's line about the ranks is all the text says first."""
+    from types import SimpleNamespace
+
+    from cpq.fanout.plugin import _crash
+
+    trailer = "failed on rank(s) [0, 1] of 2 (group g1); the report above is rank 0's"
+    plain = SimpleNamespace(longrepr=f"no device here\n{'-' * 20} cpq {'-' * 20}\n{trailer}")
+    plain.longreprtext = plain.longrepr
+    assert _crash(plain) == "no device here"  # type: ignore[arg-type]
+    text = f"    def test():\n>       setup()\nE       ValueError: boom\nE       more\n\n{trailer}"
+    crash = SimpleNamespace(message=f"cpq: {trailer}")
+    ranks = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=crash), longreprtext=text)
+    assert _crash(ranks) == "ValueError: boom\nmore"  # type: ignore[arg-type]

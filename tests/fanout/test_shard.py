@@ -12,10 +12,12 @@ from cpq.fanout.shard import (
     ShardError,
     ShardSpec,
     TestInfo,
+    expected_seconds,
     parse_shard,
     partition,
     planned_loads,
     shard_from_env,
+    spawn_seconds,
     spec_label,
 )
 
@@ -168,3 +170,87 @@ def test_bad_shards_are_clear_errors(env: dict[str, str], message: str) -> None:
 
 def test_parse_shard_tolerates_spaces() -> None:
     assert parse_shard(" 1 / 2 ") == ShardSpec(1, 2)
+
+
+@st.composite
+def grouped_suites(draw: st.DrawFn) -> tuple[list[TestInfo], dict[str, float], int]:
+    """Suites whose tests belong to modules (``mN.py``) and some to classes in them."""
+    size = draw(st.integers(min_value=0, max_value=30))
+    specs = st.sampled_from([None, "ws1", "ws2"])
+    tests = []
+    for n in range(size):
+        module = f"m{draw(st.integers(0, 5))}.py"
+        cls = draw(st.sampled_from(["", "::A", "::B"]))
+        tests.append((f"{module}{cls}::t{n}", draw(specs), module, module + cls))
+    seconds = st.floats(min_value=0, max_value=100, allow_nan=False)
+    recorded = {t[0]: draw(seconds) for t in tests if draw(st.booleans())}
+    if draw(st.booleans()):
+        recorded[SPAWN_PREFIX + "ws2"] = draw(seconds)
+    by = draw(st.sampled_from(["test", "module", "class"]))
+    infos = [
+        TestInfo(i, spec, {"test": "", "module": module, "class": cls if "::A" in i or "::B" in i
+                           else ""}[by])
+        for i, spec, module, cls in tests
+    ]  # fmt: skip
+    return infos, recorded, draw(st.integers(min_value=1, max_value=6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(grouped_suites())
+def test_a_group_lands_on_one_shard_and_balance_keeps_the_greedy_bound(
+    suite: tuple[list[TestInfo], dict[str, float], int],
+) -> None:
+    """Each module (class) on one shard, every test once; and the greedy bound holds: no
+    shard's planned load exceeds the mean load by more than the largest thing placed whole
+    (a unit of tests with its spawns, or one spec's tests with its spawn)."""
+    tests, recorded, count = suite
+    shards = partition(tests, count, recorded)
+    assert sorted(i for s in shards for i in s) == sorted(t.test_id for t in tests)
+    where = {i: n for n, s in enumerate(shards) for i in s}
+    groups: dict[str, set[int]] = {}
+    for t in tests:
+        if t.group:
+            groups.setdefault(t.group, set()).add(where[t.test_id])
+    assert all(len(found) == 1 for found in groups.values()), groups
+    loads = planned_loads(tests, shards, recorded)
+    cost = expected_seconds(tests, recorded)
+    units: dict[str, list[TestInfo]] = {}
+    for t in tests:
+        units.setdefault(t.group or "\0" + t.test_id, []).append(t)
+    largest = [
+        sum(cost[t.test_id] for t in members)
+        + sum(spawn_seconds(s, recorded) for s in {t.spec for t in members if t.spec})
+        for members in units.values()
+    ]
+    for spec in {t.spec for t in tests if t.spec}:
+        own = sum(cost[t.test_id] for t in tests if t.spec == spec)
+        largest.append(own + spawn_seconds(spec, recorded))
+    if tests:
+        assert max(loads) <= sum(loads) / count + max(largest) + 1e-6
+
+
+def test_by_module_each_module_stays_whole_and_balanced() -> None:
+    tests = [TestInfo(f"a.py::t{n}", group="a.py") for n in range(4)]
+    tests += [TestInfo(f"b.py::t{n}", group="b.py") for n in range(2)]
+    tests += [TestInfo(f"c.py::t{n}", group="c.py") for n in range(2)]
+    shards = partition(tests, 2, {})  # 1 s each: a.py (4) alone, b.py and c.py together
+    assert [set(s) for s in shards] == [
+        {f"a.py::t{n}" for n in range(4)},
+        {f"{m}.py::t{n}" for m in "bc" for n in range(2)},
+    ]
+    alone = partition([TestInfo(t.test_id) for t in tests], 2, {})  # by test: split by count
+    assert [len(s) for s in alone] == [4, 4] and set(alone[0]) != set(shards[0])
+
+
+def test_modules_of_one_spec_share_a_shard_when_a_spawn_is_dear() -> None:
+    tests = [TestInfo(f"a.py::t{n}", "ws2", "a.py") for n in range(3)]
+    tests += [TestInfo(f"b.py::t{n}", "ws2", "b.py") for n in range(3)]
+    tests += [TestInfo(f"c.py::t{n}", None, "c.py") for n in range(6)]
+    recorded = {t.test_id: 1.0 for t in tests[:6]} | {t.test_id: 5.0 for t in tests[6:]}
+    recorded[SPAWN_PREFIX + "ws2"] = 30.0  # one spawn of ws2: a.py and b.py together
+    shards = partition(tests, 2, recorded)
+    assert {frozenset(s) for s in shards} == {
+        frozenset(t.test_id for t in tests[:6]),
+        frozenset(t.test_id for t in tests[6:]),
+    }
+    assert sorted(planned_loads(tests, shards, recorded)) == [30.0, 36.0]

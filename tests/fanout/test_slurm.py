@@ -129,7 +129,7 @@ def submit_waiting(
     flag = [] if "SBATCH_WAIT" in env else ["--wait"]
     return subprocess.Popen(
         [str(SLURM / "submit.sh"), *flag, *args, *PYTEST_ARGS],
-        env={**cluster.env, **job_env(cluster, project, CPQ_POLL_S="0.5", **env)},
+        env={**cluster.env, **job_env(cluster, project, **env)},  # --wait's own polling
         cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=umask,
     )  # fmt: skip
 
@@ -373,9 +373,12 @@ def test_shards_with_different_durations_are_detected(
     other = {"test_suite.py::test_local[0]": 60.0, "test_suite.py::test_local[1]": 1.0}
     (project / "other.json").write_text(json.dumps(other))
     jobs = []
+    # Results on each node's own disk (as a CI matrix uploads them): a shard cannot see the
+    # partition input another shard of its run recorded, so nothing reconciles them.
     for shard, durations in (("0/2", "none.json"), ("1/2", "other.json")):
         env = job_env(slurm, project, CPQ_SHARD=shard, CPQ_RUN_ID="by-hand")
         env["CPQ_DURATIONS"] = str(project / durations)
+        env["CPQ_RESULTS"] = str(project / f"results-{shard[0]}")
         jobs.append(
             slurm.run(
                 "sbatch", "--parsable", "--array=0", str(SLURM / "cpq-shards.sbatch"),
@@ -384,7 +387,96 @@ def test_shards_with_different_durations_are_detected(
         )  # fmt: skip
     for job in jobs:
         wait_done(slurm, job)
-    merged = merge_here(project / "results")
+    merged = merge_here(project / "results-0", str(project / "results-1"))
     assert merged.returncode == 2, merged.stdout + merged.stderr + outputs(project)
     assert "shards computed different selections" in merged.stdout
     assert "0/2" in merged.stdout and "1/2" in merged.stdout
+
+
+#: Tests whose recorded seconds give another partition than equal counts do.
+RERUN_SUITE = """
+import os
+import time
+
+import pytest
+
+SECONDS = [1.5, 1.0] + [0.1] * 6
+
+
+@pytest.mark.parametrize("n", range(len(SECONDS)))
+def test_t(n):
+    time.sleep(SECONDS[n])
+    assert not (n == 3 and os.path.exists("broken")), "broken"
+"""
+
+
+def selections(project: Path) -> list[list[str]]:
+    return [list(manifest(project, i)["selected"]) for i in (0, 1)]
+
+
+def test_a_shard_rerun_after_the_merge_gives_the_runs_verdict(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The documented recovery: a run fails, its merge writes the next durations file, the
+    failed shard is rerun with ``submit.sh --wait --shard`` (then by hand, with the run's id
+    and ``--cpq-shard``): the shard keeps the share the run started with and the merge
+    gives the run's verdict, never "incomplete"."""
+    from cpq.fanout.shard import TestInfo, partition
+
+    project = make_project(tmp_path_factory, RERUN_SUITE)
+    results = project / "results"
+    (project / "broken").touch()
+    status, out = finished(submit_waiting(slurm, project, "2"))
+    run = ids(out)[0]
+    assert status == 1, out + outputs(project)
+    first = selections(project)
+    learned = json.loads((project / ".cpq" / "durations.json").read_text())
+    collected = manifest(project, 0)["collected"]
+    now = partition([TestInfo(i) for i in collected], 2, learned)  # what today's file says
+    assert [set(s) for s in now] != [set(s) for s in first], "the test would prove nothing"
+    failing = next(n for n, s in enumerate(first) if "test_suite.py::test_t[3]" in s)
+
+    (project / "broken").unlink()
+    status, out = finished(submit_waiting(slurm, project, "--shard", str(failing), "2"))
+    assert status == 0, out + outputs(project)
+    assert ids(out)[0] == run and "every collected test ran exactly once and passed" in out
+    assert selections(project) == first
+    assert ET.parse(results / "junit.xml").getroot().get("failures") == "0"
+    assert "the partition run " + run in outputs(project)
+
+    (project / "broken").touch()  # by hand, on this node: the same run, the same share
+    env = {**slurm.env, **job_env(slurm, project, CPQ_RUN_ID=run)}
+    by_hand = subprocess.run(
+        [sys.executable, "-m", "pytest", *PYTEST_ARGS, f"--cpq-shard={failing}/2",
+         f"--cpq-results={results}"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert by_hand.returncode == 1, by_hand.stdout + by_hand.stderr
+    assert selections(project) == first
+    merged = merge_here(results, "--run-id", run, "--junit", str(results / "junit.xml"))
+    assert merged.returncode == 1, merged.stdout + merged.stderr
+    assert "every collected test ran exactly once; 1 failed (exit 1)" in merged.stdout
+
+
+def test_submit_refuses_an_option_before_n_that_is_not_its_own_nor_sbatchs(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    project = make_project(tmp_path_factory, RERUN_SUITE)
+    before = slurm.queue()
+    for option in ("--cpq-world-size=2", "--cpq-torchrun", "--no-such-sbatch-option=1", "-k"):
+        done = subprocess.run(
+            [str(SLURM / "submit.sh"), "--wait", option, "2", "test_suite.py"],
+            env={**slurm.env, **job_env(slurm, project)}, cwd=project, capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 4, done.stdout + done.stderr
+        assert f"submit.sh: {option} (before N) is not an option of submit.sh" in done.stderr
+        assert "pytest's options go after N" in done.stderr
+        assert "usage: submit.sh [--wait]" in done.stderr
+    bad = subprocess.run(
+        [str(SLURM / "submit.sh"), "--wait", "2", "test_suite.py"],
+        env={**slurm.env, **job_env(slurm, project, CPQ_POLL_S="soon")}, cwd=project,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 4 and "CPQ_POLL_S=soon is not a number" in bad.stderr
+    assert slurm.queue() == before  # nothing was submitted

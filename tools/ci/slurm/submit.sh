@@ -18,12 +18,28 @@
 # (cpq-shard-<array>_<task>.out, cpq-merge-<job>.out), beside the shards' broker and rank
 # logs; the merge job leaves its exit status there too (cpq-merge-<job>.status), which is
 # what --wait reads: it needs no Slurm accounting. SBATCH_WAIT=1 means --wait.
-# --wait looks at the queue every CPQ_POLL_S seconds (default 5). Usage errors are exit 4.
+# --wait looks at the queue soon after submitting (0.1 s, then 0.2, 0.5) and then every
+# CPQ_POLL_S seconds (default 1). Usage errors are exit 4: an option before N that is neither
+# submit.sh's (--wait, --shard I) nor sbatch's (a pytest option: those go after N) among them.
 # Prints the run id, the jobs' ids and the logs directory. See docs/fanout.md, "Slurm".
 set -euo pipefail
 trap 'echo "submit.sh: line $LINENO failed: no verdict (exit 3)" >&2; exit 3' ERR
 here=$(cd "$(dirname "$0")" && pwd)
 usage="usage: submit.sh [--wait] [--shard I] [--SBATCH-OPTION=VALUE...] N [pytest args...]"
+refuse() {  # an option before N that is not ours nor sbatch's: say so, then the usage
+    echo "submit.sh: $1 (before N) is not an option of submit.sh (--wait, --shard I) nor" \
+        "an sbatch --name=value option; pytest's options go after N" >&2
+    echo "$usage" >&2
+    exit 4
+}
+sbatch_names=""
+known_to_sbatch() {  # is --name one of sbatch's options (as its --help lists them)?
+    if [[ -z "$sbatch_names" ]]; then
+        sbatch_names=$(sbatch --help 2>/dev/null | grep -oE -- '--[a-z][a-z0-9-]*' | sort -u) ||
+            sbatch_names="?"
+    fi
+    [[ "$sbatch_names" == "?" ]] || grep -qxF -- "$1" <<<"$sbatch_names"
+}
 wait=${SBATCH_WAIT:+yes}
 unset SBATCH_WAIT CPQ_SHARD  # sbatch must not block on the array: the wait is ours
 rerun=""
@@ -40,8 +56,12 @@ while [[ "${1:-}" == -* ]]; do
             rerun=$2 asked_rerun=yes
             shift
             ;;
-        --?*=*) cluster+=("$1") ;;
-        *) echo "$usage" >&2 && exit 4 ;;
+        --cpq-*) refuse "$1" ;;  # cpq's pytest options: never sbatch's
+        --?*=*)
+            known_to_sbatch "${1%%=*}" || refuse "$1"
+            cluster+=("$1")
+            ;;
+        *) refuse "$1" ;;
     esac
     shift
 done
@@ -49,6 +69,11 @@ shards=${1:-}
 [[ $# -gt 0 ]] && shift
 if [[ -z "${CPQ_RESULTS:-}" ]]; then
     echo "submit.sh: set CPQ_RESULTS to a directory every node can write" >&2
+    exit 4
+fi
+max_poll=${CPQ_POLL_S:-1}
+if ! [[ "$max_poll" =~ ^[0-9]*[.]?[0-9]+$ ]]; then
+    echo "submit.sh: CPQ_POLL_S=$max_poll is not a number of seconds" >&2
     exit 4
 fi
 if ! [[ "$shards" =~ ^[1-9][0-9]*$ ]] || { [[ -n "$asked_rerun" ]] &&
@@ -112,8 +137,7 @@ echo "run: $run_id  shards: $array  merge: $merge  logs: $logs"
 
 # --wait: until the merge job has left its status (it runs after every shard has ended).
 status_file=$logs/cpq-merge-$merge.status
-poll=${CPQ_POLL_S:-5}
-seen="" gone=0
+seen="" gone=0 gone_at=0 round=0
 alive='^(PENDING|RUNNING|CONFIGURING|COMPLETING|SUSPENDED|REQUEUE)'
 while [[ ! -s "$status_file" ]]; do
     now=$(squeue -h -r -j "$array,$merge" -o '%i %T' 2>/dev/null | awk -v m="$merge" \
@@ -125,10 +149,14 @@ while [[ ! -s "$status_file" ]]; do
     fi
     if squeue -h -j "$merge" -o %T 2>/dev/null | grep -Eq "$alive"; then
         gone=0
-    elif (( ++gone > 3 )); then  # ended (or forgotten) without its status: no verdict
-        break
+    else  # ended (or forgotten) without its status for 3 looks and 2 s: no verdict
+        (( gone++ == 0 )) && gone_at=$SECONDS
+        (( gone > 3 && SECONDS - gone_at >= 2 )) && break
     fi
-    sleep "$poll"
+    # Short looks first (a quick run's verdict comes at once), then every CPQ_POLL_S s.
+    sleep "$(awk -v n="$round" -v m="$max_poll" \
+        'BEGIN { p = (n < 3 ? (n == 2 ? 0.5 : 0.1 * (n + 1)) : m); print (p < m ? p : m) }')"
+    round=$((round + 1))
 done
 out=$logs/cpq-merge-$merge.out
 [[ -f "$out" ]] && cat "$out"
@@ -140,7 +168,15 @@ if ! [[ "$status" =~ ^[0-4]$ ]]; then
 fi
 case $status in
     0 | 1) echo "run $run_id: exit $status; JUnit: $CPQ_RESULTS/junit.xml; logs: $logs" ;;
-    *) echo "run $run_id: exit $status; no JUnit written (no verdict on the whole suite);" \
-        "logs: $logs" ;;
+    *)
+        if [[ -f "$CPQ_RESULTS/junit.xml" ]]; then  # the merge removes another run's
+            echo "run $run_id: exit $status; no JUnit written (no verdict on the whole" \
+                "suite); $CPQ_RESULTS/junit.xml is this run's earlier complete merge's;" \
+                "logs: $logs"
+        else
+            echo "run $run_id: exit $status; no JUnit written (no verdict on the whole" \
+                "suite); logs: $logs"
+        fi
+        ;;
 esac
 exit "$status"
