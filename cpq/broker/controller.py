@@ -43,7 +43,7 @@ class Controller:
         ranks: dict[bytes, tuple[Group, Rank]],
         send_client: Callable[[bytes, protocol.Message | bytes], None],
         rank_hello: Callable[[bytes, protocol.RankHello], object],
-        after_message: Callable[[], None],
+        after_message: Callable[[protocol.Message | None], None],
     ) -> None:
         self.clock = clock
         self.totals = totals
@@ -92,7 +92,7 @@ class Controller:
             )
         client.last_seen = now
         handler(client, message)
-        self.after_message()
+        self.after_message(message)
 
     def on_rank_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -123,7 +123,7 @@ class Controller:
             return
         rank.last_seen = self.clock.monotonic()
         handler(group, rank, message)
-        self.after_message()
+        self.after_message(message)
 
     def _unreadable(self, identity: bytes, reason: str) -> None:
         """A registered rank sent what does not decode: its task cannot wait for a report
@@ -132,7 +132,7 @@ class Controller:
         known = self.ranks.get(identity)
         if known is not None and self.on_rank_unreadable is not None:
             self.on_rank_unreadable(*known, reason)
-            self.after_message()
+            self.after_message(None)
 
     def _junk(self, what: str, *args: object) -> None:
         self.totals.malformed += 1

@@ -40,6 +40,19 @@ from cpq.timeline.records import timeline_path
 log = logging.getLogger("cpq.broker")
 
 TICK_S = 0.05
+#: Messages after which placement has nothing new to decide: they change no queue, group,
+#: client or want. A rank's report that ends its task leaves a group request, and a refusal
+#: a request too, which :meth:`Broker.settle` sees; one that does not end it changes nothing
+#: placement reads (its memory figures count when the group is next placed).
+NOTHING_TO_PLACE = (
+    protocol.Heartbeat,
+    protocol.StatusRequest,
+    protocol.Hello,
+    protocol.RankBegun,
+    protocol.RankStacks,
+    protocol.RankDone,
+    protocol.DebugOutput,
+)
 #: Messages handled from one socket before the other gets its turn.
 DRAIN_BUDGET = 1000
 
@@ -114,6 +127,8 @@ class Broker:
         self.started_at = self.clock.time()
         self.idle_since = self.clock.monotonic()
         self.stopping = False
+        #: Whether placement has something new to read (see :meth:`settle`).
+        self._to_place = True
         self._last_heartbeat = -float("inf")
         self.controller = Controller(
             self.clock,
@@ -122,7 +137,7 @@ class Broker:
             self.pools.ranks,
             self.transport.send_client,
             self.pools.rank_hello,
-            self.settle,
+            self.after_message,
         )
         self.controller.client_handlers.update(
             {
@@ -237,6 +252,7 @@ class Broker:
             if impossible:
                 log.warning("--warm %s: %s", spec.label(), impossible)
         self.placer.requests.warm += self.config.warm
+        self._to_place = True
         self.settle()
         for spec, count in self.config.warm:
             live = len(self.pools.live(spec))
@@ -265,15 +281,30 @@ class Broker:
 
     # ---- coordination
 
+    def after_message(self, message: protocol.Message | None) -> None:
+        """A message was handled: placement runs again unless the message is one that
+        changes nothing it reads (see :data:`NOTHING_TO_PLACE`)."""
+        if not isinstance(message, NOTHING_TO_PLACE):
+            self._to_place = True
+        self.settle()
+
     def settle(self) -> None:
-        """Carry out what pools and tasks asked for, then schedule, until nothing is left."""
+        """Carry out what pools and tasks asked for, then schedule, until nothing is left.
+
+        Placement runs when something it reads may have changed: a message not in
+        :data:`NOTHING_TO_PLACE`, a tick, or a request or failure carried out here. A
+        round trip's other events (a rank's report that does not end its task, heartbeats,
+        status requests) then cost no snapshot of every group."""
         while True:
-            for request in self.tasks.take_group_requests():
+            requests = self.tasks.take_group_requests()
+            self._to_place = self._to_place or bool(requests)
+            for request in requests:
                 if request.stop_reason:
                     self.pools.stop(request.group, request.stop_reason)
                 else:
                     self.pools.release(request.group)
             failures = self.pools.take_failures()
+            self._to_place = self._to_place or bool(failures)
             for failure in failures:
                 group = failure.group
                 if failure.task is not None:
@@ -285,7 +316,9 @@ class Broker:
                         failure.log_tail,
                     )
             if not failures and not self.tasks.group_requests:
-                self.schedule()
+                if self._to_place:
+                    self._to_place = False
+                    self.schedule()
                 if not self.pools.failures and not self.tasks.group_requests:
                     return
 
@@ -317,13 +350,15 @@ class Broker:
             if quiet > self.config.silence_s:
                 self.drop_client(client, f"silent for {now - client.last_seen:.1f}s")
         self.pools.tick(now)
+        self._to_place = True  # what waits on time: growth, spares, yielding, start time-outs
         self.settle()
         self.tasks.tick(now)
         self.tasks.debug.tick()
         self.pools.history.forget(now, self.config.spare_window_s)
         if self.pools.sharing is not None:  # other brokers' wants, ours: placement's input
             self.pools.sharing.tick(self.pools.groups)
-        self.settle()  # also: queued tasks may have waited long enough to grow a pool
+        self._to_place = True  # also: queued tasks may have waited long enough to grow a pool
+        self.settle()
         self._say_why_waiting(now)
         self.timeline.flush()
         if self.draining and not self.tasks.tasks:
