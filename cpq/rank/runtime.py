@@ -349,6 +349,41 @@ def _pg_sequence() -> int:
         return -1
 
 
+class _TaskProfile:
+    """``CPQ_RANK_PROFILE=DIR``: each task's handling in this rank under ``cProfile`` (from
+    the task's arrival to its report's encoding), the stats written to
+    ``DIR/rank<r>-<pid>-<n>.prof``, one file per 25 tasks. A tool for finding what a task costs the
+    rank beyond the test's own time (BENCHMARKS.md); off, it costs one attribute test."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tasks = 0
+        self.profiler: Any = None
+        if path:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+
+    @classmethod
+    def from_env(cls, rank: int) -> _TaskProfile:
+        folder = os.environ.get("CPQ_RANK_PROFILE", "")
+        return cls(os.path.join(folder, f"rank{rank}-{os.getpid()}") if folder else "")
+
+    def begin(self) -> None:
+        if self.profiler is not None:
+            self.profiler.enable()
+
+    def end(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.disable()
+        self.tasks += 1
+        if self.tasks % 25 == 0:  # then a new profile: a file per 25 tasks, numbered
+            with contextlib.suppress(OSError):
+                self.profiler.dump_stats(f"{self.path}-{self.tasks // 25:04d}.prof")
+            self.profiler = type(self.profiler)()
+
+
 def main() -> None:
     started_ns = time.time_ns()
     watch = CodeWatch()  # the site directories as they are at start-up
@@ -395,8 +430,10 @@ def main() -> None:
     baseline = Baseline.capture()
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     last_env: dict[str, str] | None = None
+    profile = _TaskProfile.from_env(config.rank)
     while (task := link.next_task()) is not None:
         link.give()  # the watchdog heartbeats for a task that outlasts its tick
+        profile.begin()
         if task.env_same:  # the broker left out the variables: the previous task's
             task.env = last_env
         last_env = task.env
@@ -449,6 +486,7 @@ def main() -> None:
             result.error = protocol.RankError("cpq.EncodeError", why[:4000])
             result.outcome, result.value = "failed", None
             frame = protocol.encode_for(done, features)
+        profile.end()
         link.take()
         link.send(frame)
         if task.debug and result.outcome == "failed":

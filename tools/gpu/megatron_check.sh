@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 34's GPU check, on the one-H200 host, in one call (from the repo root):
+#   1. Megatron-LM's 281 unit tests: fresh torchrun -m pytest, cpq cold, cpq warm
+#      (the staged folder's run.sh; verdicts compared test by test);
+#   2. cpq's time per test beyond the test's own (tools/gpu/task_overhead.py), warm session;
+#   3. a second Megatron-LM bucket of our choosing (optimizer/ and four top-level files that
+#      import without Transformer Engine), the same three runs;
+#   4. tools/bench_core.py: the no-op round trip against the stdio pool, side by side.
+# Needs (carried, git-ignored): .megatron (stage.sh's folder, plus the second bucket's files)
+# and .whl (the cp312 pyzmq wheel). Results in $OUT.
+set -uo pipefail
+PROJ=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/main" "$OUT/second"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SECOND="tests/unit_tests/optimizer tests/unit_tests/test_hyper_comm_grid.py \
+tests/unit_tests/test_process_groups_config.py tests/unit_tests/test_rank_utils.py \
+tests/unit_tests/test_optimizer_param_scheduler.py"
+
+OUT=$OUT/main bash .megatron/run.sh "$PROJ"
+tar -xzf "$OUT/main/meg-logs.tar.gz" -C "$OUT/main" ./timings.jsonl 2>/dev/null
+echo "== cpq's time per test (warm session)" | tee "$OUT/overhead.txt"
+python3 tools/gpu/task_overhead.py "$OUT/main/timings.jsonl" "$OUT/main/meg-warm.xml" \
+  | tee -a "$OUT/overhead.txt"
+
+OUT=$OUT/second MEG_FILES=$SECOND bash .megatron/run.sh "$PROJ"
+
+echo "== bench_core"
+PYTHONPATH=/tmp/site:$PROJ timeout 200 python3 tools/bench_core.py --tasks 1000 \
+  --json "$OUT/bench_core.json" 2>&1 | grep -v -E '^\*|OMP_NUM|^$' | tail -22 | tee "$OUT/bench_core.txt"
