@@ -470,6 +470,17 @@ def is_item_task(target: str) -> bool:
     return target == TARGET
 
 
+def continues(task: Any) -> bool:
+    """Whether ``task`` is the next test of the calling session whose tests run here now."""
+    return (
+        task.target == TARGET
+        and _current is not None
+        and _current.begun
+        and isinstance(task.kwargs, dict)
+        and task.kwargs.get("session") == _current.key
+    )
+
+
 def step_aside() -> None:
     """Another kind of task (a ``cpq.run`` function, a launch) is about to run and reseed
     the generators: keep the current session's, for its next test here."""

@@ -438,7 +438,10 @@ def main() -> None:
             task.env = last_env
         last_env = task.env
         task_started_ns = time.time_ns()
-        stale = watch.changed() if check_code else ""
+        # Inside one calling session the code is what its first test here saw, as in one
+        # fresh pytest process (which never reads an edit made after its imports either):
+        # the check runs when a session, a launch or a function task begins.
+        stale = watch.changed() if check_code and not items.continues(task) else ""
         stale_kind: protocol.StaleKind = "code" if stale else ""
         stale_start = False
         ran = Ran()
