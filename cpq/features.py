@@ -53,6 +53,9 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     # refusal, by these fields, never by the words of a message.
     "verdict-cause": {"done": ("result.cause",)},
     "refusal-kind": {"rank_done": ("stale_kind",)},
+    # A rank refuses a task of a new caller when the last one left what it cannot put back
+    # (stale_kind "state"); without it, the rank says "code" (the same fresh group).
+    "state-refusal": {},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

@@ -27,7 +27,7 @@ Cause = Literal["", "deadline"]
 #: What a rank that refused a task found changed (``RankDone.stale_kind``, feature
 #: ``refusal-kind``): "code" (``stale`` is a file it loaded) or "variable" (``stale`` is
 #: the name of a variable an import read); "" from a rank that does not say (an older cpq).
-StaleKind = Literal["", "code", "variable"]
+StaleKind = Literal["", "code", "variable", "state"]
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ class InvalidReport(ValueError):
 
 @dataclass(frozen=True)
 class Refusal:
-    kind: Literal["code", "variable"]
-    subject: str  # the file that changed, or the variable's name
+    kind: Literal["code", "variable", "state"]
+    subject: str  # the file that changed, the variable's name, or what the last caller left
     at_start: bool = False  # the variable was read while the group started
 
     def __str__(self) -> str:
@@ -44,7 +44,7 @@ class Refusal:
 
     @property
     def what(self) -> str:
-        return "environment" if self.kind == "variable" else "code"
+        return {"variable": "environment", "state": "state"}.get(self.kind, "code")
 
 
 def check(
@@ -89,6 +89,8 @@ def decide(task: Task, refusal: Refusal, world_size: int, start_bound: StartBoun
     """
     if not refusal.at_start:
         stop = f"{refusal.what} changed: {refusal}"
+        if refusal.kind == "state":
+            stop = f"the previous caller's state: the group {refusal}"
         if task.orphaned:
             return Decision(stop, "", "cancelled: its client went away")
         if task.stale_bounces >= MAX_STALE_BOUNCES:

@@ -379,13 +379,7 @@ def _forget_test_modules() -> None:
 def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
     global _current
     if _current is not None and _current.key != key:
-        previous, _current = _current, None
-        try:
-            previous.close()
-        except Exception:
-            import logging
-
-            logging.getLogger("cpq.rank").exception("finishing the previous session failed")
+        close_current()
     if _current is None:
         _forget_test_modules()  # as a fresh process would import them
         # A new calling session starts from a fresh process's state: no cached CUDA blocks
@@ -462,12 +456,48 @@ def run_item(
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
     current.run(item, next)
-    return _item_run(current, rank)
+    ran = _item_run(current, rank)
+    if next is None:  # the caller's last test: its session ends here now
+        global session_ended
+        close_current()
+        session_ended = True
+    return ran
 
 
 def is_item_task(target: str) -> bool:
     """Whether a task is a test this module runs (its session keeps its own state)."""
     return target == TARGET
+
+
+#: Set when the caller's last test ran here and its session was closed at once (read and
+#: cleared by the runtime, which then checks what the session left: cpq.rank.carryover).
+session_ended = False
+
+
+def ends_current(task: Any) -> bool:
+    """Whether ``task`` (a test of another calling session, or a launch) means the session
+    whose tests ran here is over (its caller moved on without a last test here)."""
+    if _current is None:
+        return False
+    if task.target != TARGET:
+        return str(task.target).startswith("cpq.rank.script:")
+    return not isinstance(task.kwargs, dict) or task.kwargs.get("session") != _current.key
+
+
+def close_current() -> None:
+    """Finish the session whose tests ran here (fixtures still standing torn down, its test
+    modules forgotten), so that what it leaves can be checked before another caller."""
+    global _current
+    if _current is None:
+        return
+    previous, _current = _current, None
+    try:
+        previous.close()
+    except Exception:
+        import logging
+
+        logging.getLogger("cpq.rank").exception("finishing the previous session failed")
+    _forget_test_modules()
 
 
 def continues(task: Any) -> bool:

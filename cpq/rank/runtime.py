@@ -31,6 +31,7 @@ from cpq import protocol
 from cpq.osutil import die_with_parent
 from cpq.rank import (
     cancel,
+    carryover,
     failure_report,
     importenv,
     items,
@@ -349,6 +350,35 @@ def _pg_sequence() -> int:
         return -1
 
 
+def _cross_boundary(task: protocol.RunTask, carried: carryover.Carryover) -> str:
+    """Before a task that does not go on with the session whose tests ran here: that
+    session ends if the task is another caller's; torch's switches go back to the ready
+    rank's. Returns why this rank may not serve the task ("": it may)."""
+    if items.ends_current(task):
+        items.close_current()
+        why = carried.unfit_after_caller()
+        if why:
+            log.info("not serving another caller: this rank %s", why)
+            return f"the last caller left this rank unfit: it {why}"
+    carried.restore_switches()
+    return ""
+
+
+def _after_caller(
+    task: protocol.RunTask, result: protocol.RankResult, carried: carryover.Carryover
+) -> str:
+    """Why this rank must serve nothing more after ``task`` ("": it may): what a session
+    that just ended here, or a launch, left that a new process would not have; a sticky
+    CUDA error after a failure (at once, after the failing test's own report)."""
+    ended = items.session_ended or task.target == script.TARGET
+    items.session_ended = False
+    if ended:
+        return carried.unfit_after_caller()
+    if result.outcome == "failed":
+        return carryover.sticky_cuda_error()
+    return ""
+
+
 class _TaskProfile:
     """``CPQ_RANK_PROFILE=DIR``: each task's handling in this rank under ``cProfile`` (from
     the task's arrival to its report's encoding), the stats written to
@@ -428,6 +458,7 @@ def main() -> None:
     link.send(protocol.encode_for(ready, features))
     log.info("ready after %.2fs", ready.startup_s)
     baseline = Baseline.capture()
+    carried = carryover.Carryover.capture()
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     last_env: dict[str, str] | None = None
     profile = _TaskProfile.from_env(config.rank)
@@ -440,9 +471,14 @@ def main() -> None:
         task_started_ns = time.time_ns()
         # Inside one calling session the code is what its first test here saw, as in one
         # fresh pytest process (which never reads an edit made after its imports either):
-        # the check runs when a session, a launch or a function task begins.
-        stale = watch.changed() if check_code and not items.continues(task) else ""
+        # the check runs when a session, a launch or a function task begins, and so does
+        # the boundary between callers (cpq.rank.carryover).
+        continuing = items.continues(task)
+        state = "" if continuing else _cross_boundary(task, carried)
+        stale = state or (watch.changed() if check_code and not continuing else "")
         stale_kind: protocol.StaleKind = "code" if stale else ""
+        if state and "state-refusal" in features:
+            stale_kind = "state"
         stale_start = False
         ran = Ran()
         if stale:  # run nothing: the broker sends the task to a fresh group
@@ -463,6 +499,7 @@ def main() -> None:
         if len(importenv.bound) != bound_said:
             bound_said = len(importenv.bound)
             bound_env = sorted(importenv.bound)
+        unfit = "" if stale else _after_caller(task, result, carried)
         cuda_mb, cuda_reserved_mb = _cuda_now_mb()
         done = protocol.RankDone(
             task_id=task.task_id,
@@ -470,7 +507,7 @@ def main() -> None:
             rss_mb=_rss_mb(),
             cuda_mb=cuda_mb,
             cuda_reserved_mb=cuda_reserved_mb,
-            unfit=_unfit_reason(),
+            unfit=unfit or _unfit_reason(),
             stale=stale,
             stale_kind=stale_kind,
             # Read by the broker after a cancel (Tasks._interrupted), which may still be

@@ -1,0 +1,89 @@
+"""The session boundary's torch switches (cpq.rank.carryover): the list is measured against
+the installed torch, and what a caller set is put back."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.backends
+
+from cpq.rank import carryover
+
+
+def _covered(name: str) -> bool:
+    carryover._read(torch)  # builds SWITCHES
+    names = [switch.name for switch in carryover.SWITCHES]
+    return name in carryover.NOT_RESTORED or any(
+        n == name or n.startswith(name + "[") or n == f"backends.{name}" for n in names
+    )
+
+
+def test_every_torch_setter_is_restored_or_said_why_not() -> None:
+    setters = sorted(n for n in dir(torch) if n.startswith("set_") and callable(getattr(torch, n)))
+    assert setters, "torch has no set_* functions?"
+    missing = [n for n in setters if not _covered(n) and not _covered(n[len("set_") :])]
+    assert not missing, f"torch switches neither restored nor listed in NOT_RESTORED: {missing}"
+
+
+def test_every_backends_flag_is_restored_or_said_why_not() -> None:
+    flags = []
+    for info in pkgutil.iter_modules(torch.backends.__path__):
+        try:
+            module = importlib.import_module(f"torch.backends.{info.name}")
+        except Exception:
+            continue
+        for name, value in vars(type(module)).items():
+            if isinstance(value, torch.backends.ContextProp):
+                flags.append(f"{info.name}.{name}")
+    assert "cudnn.benchmark" in flags
+    missing = [flag for flag in flags if not _covered(flag)]
+    assert not missing, f"torch.backends flags neither restored nor listed: {missing}"
+
+
+@pytest.fixture
+def ready() -> Iterator[carryover.Carryover]:
+    state = carryover.Carryover.capture()
+    yield state
+    state.restore_switches()  # whatever a failing test left
+
+
+def test_what_a_caller_set_is_put_back(ready: carryover.Carryover) -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    torch.set_grad_enabled(False)
+    torch.set_printoptions(precision=2)
+    restored = ready.restore_switches()
+    assert set(restored) >= {
+        "default_dtype",
+        "deterministic_algorithms",
+        "float32_matmul_precision",
+        "backends.cudnn.benchmark",
+        "grad_enabled",
+        "printoptions",
+    }
+    assert torch.get_default_dtype() == torch.float32
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.is_grad_enabled()
+    assert torch._tensor_str.PRINT_OPTS.precision == 4
+    assert ready.restore_switches() == []  # nothing left to put back
+
+
+def test_without_cuda_nothing_makes_a_rank_unfit(ready: carryover.Carryover) -> None:
+    assert carryover.sticky_cuda_error() == ""
+    assert ready.unfit_after_caller() == ""
+
+
+def test_tf32_is_put_back(ready: carryover.Carryover) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = False
+    ready.restore_switches()
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cudnn.allow_tf32
