@@ -34,8 +34,8 @@ MUTANTS = (
     Mutant(
         "reset: the caller's environment never applied on a rank",
         "cpq/rank/reset.py",
-        "    os.environ.update(target)\n",
-        "    os.environ.update(baseline.start_environ)\n",
+        "    _set_environ(target)\n",
+        "    _set_environ(dict(baseline.start_environ))\n",
         ("tests/unit/test_reset.py",),
     ),
     Mutant(
