@@ -47,8 +47,6 @@ NOT_RESTORED = {
     "set_autocast_gpu_dtype": "the CUDA autocast dtype (set_autocast_dtype('cuda'))",
     "set_autocast_cpu_dtype": "the CPU autocast dtype (set_autocast_dtype('cpu'))",
     "set_autocast_cpu_enabled": "the CPU autocast switch (set_autocast_enabled('cpu'))",
-    "cudnn.fp32_precision": "another view of cudnn.allow_tf32, restored through it",
-    "mkldnn.fp32_precision": "another view of mkldnn.allow_tf32, restored through it",
 }
 
 
@@ -185,7 +183,25 @@ def _switches() -> list[Switch]:
         )
     ]
     sdp = [_sdp(kind) for kind in ("flash", "mem_efficient", "math", "cudnn")]
-    return plain + flags + sdp + _autocast("cpu") + _autocast("cuda")
+    # torch 2.9's per-backend precision (``fp32_precision``): the same state as the legacy
+    # TF32 flags and the matmul precision seen another way. Restored last, so that a mix of
+    # both APIs left by a test (which makes ``get_float32_matmul_precision`` raise) ends
+    # as the ready rank's values.
+    precision = [
+        _attr(f"backends.{path}")
+        for path in (
+            "fp32_precision",
+            "cuda.matmul.fp32_precision",
+            "cudnn.fp32_precision",
+            "cudnn.conv.fp32_precision",
+            "cudnn.rnn.fp32_precision",
+            "mkldnn.fp32_precision",
+            "mkldnn.matmul.fp32_precision",
+            "mkldnn.conv.fp32_precision",
+            "mkldnn.rnn.fp32_precision",
+        )
+    ]
+    return plain + flags + sdp + _autocast("cpu") + _autocast("cuda") + precision
 
 
 #: Every switch this torch has, restored at a boundary (built on first use).

@@ -87,3 +87,11 @@ def test_tf32_is_put_back(ready: carryover.Carryover) -> None:
     ready.restore_switches()
     assert not torch.backends.cuda.matmul.allow_tf32
     assert torch.backends.cudnn.allow_tf32
+
+
+def test_a_mix_of_both_precision_apis_is_put_back(ready: carryover.Carryover) -> None:
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cuda.matmul.allow_tf32 = True  # the legacy API after the new one
+    ready.restore_switches()
+    assert torch.get_float32_matmul_precision() == "highest"  # raises on a mixed state
+    assert not torch.backends.cuda.matmul.allow_tf32
