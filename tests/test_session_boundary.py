@@ -22,9 +22,9 @@ def test_the_next_session_finds_a_fresh_processs_state(
     monkeypatch.setenv("CPQ_ENDPOINT", broker)
     monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
     out = tmp_path / "rows.json"
+    tool = str(ROOT / "tools" / "boundary_check.py")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "boundary_check.py"), "--rows", "flags,module"]
-        + ["--json", str(out), "--keep", str(tmp_path / "projects")],
+        [sys.executable, tool, "--rows", "flags,module", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
