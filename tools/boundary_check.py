@@ -17,6 +17,7 @@ Usage: python tools/boundary_check.py [--rows flags,module] [--json OUT] [--keep
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -149,6 +150,10 @@ def main(argv: list[str]) -> int:
     fresh = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     fresh += ["-m", "pytest", "-p", "no:cpq"]
     cpq = [sys.executable, "-m", "pytest", "--cpq-world-size", "1"]
+    try:
+        importlib.metadata.distribution("cpq")
+    except importlib.metadata.PackageNotFoundError:  # cpq on PYTHONPATH only (a GPU host)
+        cpq[3:3] = ["-p", "cpq.client.plugin"]
     results = []
     for row in options.rows.split(","):
         if row in GPU_ROWS and not cuda:
