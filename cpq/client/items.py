@@ -68,6 +68,67 @@ class _Run:
     refused: BaseException | None = None
 
 
+class Unusable(Exception):
+    """A test cpq cannot run as asked (a marker it cannot use, a pytest it does not support):
+    that test fails with the reason, before anything of it runs; the session goes on."""
+
+
+#: The ``cpq`` marker's arguments.
+MARKER_ARGS = ("world_size", "timeout", "env", "affinity", "own_groups")
+#: The pytest versions whose sessions the ranks rebuild: [first, first unsupported). The
+#: same bounds as pyproject's ``pytest`` requirement (tests/unit/test_pytest_versions.py).
+PYTEST_SUPPORTED = ((8, 2), (10, 0))
+
+
+def marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] | None] | None:
+    """The ``cpq`` marker's world size, timeout and variables (None: no marker); a marker cpq
+    cannot use raises :class:`Unusable` naming the problem."""
+    marker = item.get_closest_marker("cpq")
+    if marker is None:
+        return None
+    kwargs = dict(marker.kwargs)
+    if len(marker.args) > 1:
+        raise Unusable(f"cpq marker: one positional argument (world_size), got {marker.args!r}")
+    if marker.args:
+        kwargs.setdefault("world_size", marker.args[0])
+    unknown = sorted(set(kwargs) - set(MARKER_ARGS))
+    if unknown:
+        raise Unusable(
+            f"cpq marker: unknown argument(s) {', '.join(unknown)} "
+            f"(it takes {', '.join(MARKER_ARGS)})"
+        )
+    world_size = kwargs.get("world_size", 2)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise Unusable(f"cpq marker: world_size must be an int of at least 1, got {world_size!r}")
+    timeout = kwargs.get("timeout")
+    if timeout is not None and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < 1e9
+    ):
+        raise Unusable(f"cpq marker: timeout must be a positive number of seconds, got {timeout!r}")
+    env = kwargs.get("env")
+    if env is not None and (
+        not isinstance(env, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise Unusable(f"cpq marker: env must be a dict of strings, got {env!r}")
+    return world_size, None if timeout is None else float(timeout), env
+
+
+def check_pytest(version: str = pytest.__version__) -> None:
+    """Fail closed on a pytest whose sessions the ranks were not built to rebuild."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        found = (0, 0)
+    first, beyond = PYTEST_SUPPORTED
+    if not first <= found < beyond:
+        raise Unusable(
+            f"cpq runs tests on the ranks with pytest {first[0]}.{first[1]} up to (not "
+            f"including) {beyond[0]}.{beyond[1]}; this is pytest {version} "
+            "(pip install 'pytest>=8.2,<10')"
+        )
+
+
 RUN_KEY = pytest.StashKey[_Run]()
 SETUP_KEY = pytest.StashKey[tuple[str, dict[str, Any]]]()
 
@@ -112,7 +173,11 @@ def rank_setup(config: pytest.Config, session_id: str) -> tuple[str, dict[str, A
         "dir": str(config.invocation_params.dir),
         "rootdir": str(config.rootpath),
         "inifile": str(config.inipath) if config.inipath else "",
+        # What this session collects (the paths and node ids it was given, or the ini's
+        # testpaths, as pytest resolved them): the ranks collect the same.
+        "args": [str(arg) for arg in config.args],
         "options": options,
+        "pytest": pytest.__version__,
     }
     digest = hashlib.sha256(repr(sorted(setup.items())).encode()).hexdigest()[:12]
     known = (f"{session_id}:{os.getpid()}:{digest}", setup)

@@ -28,6 +28,7 @@ import pytest
 
 from cpq import paths, protocol
 from cpq.client import items, launches, ordering, pdb_relay, reruns, timeouts
+from cpq.client.items import Unusable
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
     CpqTaskFailed,
@@ -42,6 +43,8 @@ SESSION_KEY = pytest.StashKey["CpqSession"]()
 ROUTING_KEY = pytest.StashKey[launches.Routing]()
 #: The test's call report gives its own time: the wait for a group was taken off.
 OWN_TIME_KEY = pytest.StashKey[bool]()
+#: Why cpq cannot run this test as asked (a bad marker, an unsupported pytest).
+UNUSABLE_KEY = pytest.StashKey[str]()
 
 
 # --------------------------------------------------------------------------- options
@@ -153,20 +156,7 @@ def _broker_running(cpq_session: CpqSession) -> bool:
     return not endpoint.startswith("ipc://") or broker_alive(endpoint)
 
 
-def _marker_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] | None] | None:
-    marker = item.get_closest_marker("cpq")
-    if marker is None:
-        return None
-    kwargs = dict(marker.kwargs)
-    if marker.args:
-        kwargs.setdefault("world_size", marker.args[0])
-    unknown = set(kwargs) - {"world_size", "timeout", "env", "affinity", "own_groups"}
-    if unknown:
-        raise pytest.UsageError(f"{item.nodeid}: unknown cpq marker argument(s) {sorted(unknown)}")
-    world_size = kwargs.get("world_size", 2)
-    if not isinstance(world_size, int) or isinstance(world_size, bool):
-        raise pytest.UsageError(f"{item.nodeid}: cpq world_size must be an int, got {world_size!r}")
-    return world_size, kwargs.get("timeout"), kwargs.get("env")
+_marker_args = items.marker_args
 
 
 def _pool_args(item: pytest.Item) -> tuple[int, float | None, dict[str, str] | None] | None:
@@ -210,8 +200,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     cpq_session = item.config.stash.get(SESSION_KEY, None)
     try:
         args = _pool_args(item)
-    except pytest.UsageError:
-        return  # reported, with the test's name, when the test runs
+    except Unusable:
+        return  # the test fails with the reason when it runs
     if cpq_session is None or args is None:
         return
     # Once per marker, not per collected case: building a spec reads the whole environment,
@@ -259,8 +249,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         try:
             args = _pool_args(item)
             return None if args is None else (args[0], tuple(sorted((args[2] or {}).items())))
-        except (pytest.UsageError, TypeError, AttributeError):
-            return None  # a bad marker: reported when the test runs
+        except Unusable:
+            return None  # a bad marker: the test fails with the reason when it runs
 
     items[:] = ordering.grouped(items, spec_of)
 
@@ -273,7 +263,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     cpq_session.rng_at_start.observe()  # numpy, imported by the test modules (cpq.rng)
     needed: Counter[PoolSpec] = Counter()
     for item in session.items:
-        args = _pool_args(item)
+        try:
+            args = _pool_args(item)
+        except Unusable:
+            continue  # the test fails with the reason when it runs
         if args is not None:
             needed[cpq_session.spec(args[0], args[2])] += 1
     if not needed:
@@ -338,11 +331,11 @@ def placement(item: pytest.Item) -> items.Placement | None:
     if session.under_launcher or "cpq" in getattr(item, "fixturenames", ()):
         return None
     marker = _marker_args(item)
-    if marker is not None:
-        return items.Placement(*marker)
-    if session.world_size is not None:
-        return items.Placement(session.world_size)
-    return None
+    world_size = marker[0] if marker is not None else session.world_size
+    if world_size is None:
+        return None
+    items.check_pytest()
+    return items.Placement(*marker) if marker is not None else items.Placement(world_size)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -351,7 +344,11 @@ def pytest_runtest_protocol(
 ) -> Generator[None, Any, Any]:
     """A test that runs on the ranks walks pytest's protocol here with hollow phases
     (:mod:`cpq.client.items`): every plugin of this process sees it as a local test."""
-    where = placement(item)
+    try:
+        where = placement(item)
+    except Unusable as exc:  # fails in its setup (pytest_runtest_setup), runs nothing
+        item.stash[UNUSABLE_KEY] = str(exc)
+        return (yield)
     if where is None:
         return (yield)
     session = item.config.stash[SESSION_KEY]
@@ -383,7 +380,11 @@ def pytest_runtest_protocol(
         items.restore(item)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    unusable = item.stash.get(UNUSABLE_KEY, None)
+    if unusable is not None:  # before any fixture: the test fails naming the problem
+        pytest.fail(f"{item.nodeid}: {unusable}", pytrace=False)
     if ROUTING_KEY in item.config.stash:  # torch.distributed.run.run(args) here goes warm
         launches.route_in_process()
 
@@ -437,7 +438,10 @@ class CpqRunner:
     def __init__(self, item: pytest.Item, session: CpqSession) -> None:
         self._item = item
         self._session = session
-        self._defaults = _marker_args(item) or (2, None, None)
+        try:
+            self._defaults = _marker_args(item) or (2, None, None)
+        except Unusable as exc:
+            pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
 
     def run(
         self,

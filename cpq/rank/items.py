@@ -17,9 +17,14 @@ ranks run pytest".
   pytest tears down towards ``nextitem``: a module's fixtures end with the caller's last test
   of that module, session fixtures with its last test. A group that moves on to another
   calling session first finishes the previous one (its errors go to the group's log).
-* **Collection** is per module per calling session, never per test (a module's items are
-  kept by node id). An edited module or conftest never reaches a cached collection: the code
-  check before every task sends the task to a fresh group (:mod:`cpq.rank.freshness`).
+* **Collection** is the caller's own, once per calling session: the session is built from
+  the caller's collection arguments (the paths and node ids it was given, or its ini's
+  ``testpaths``), so initial conftests, ``rootdir`` and the collection tree are the caller's,
+  and pytest collects them as it does in every rank of ``torchrun -m pytest ARGS`` (items
+  kept by node id). One tree matters: pytest 9.1+ attaches a conftest's fixtures to its
+  directory's node, so a second collection's nodes would not see them. An edited module or
+  conftest never reaches a cached collection: the code check before every task sends the
+  task to a fresh group (:mod:`cpq.rank.freshness`).
 * **Plugins.** The caller's, except those whose work is the calling process's: terminal
   reporting, cpq itself, coverage (cpq measures the ranks itself), rerun and timeout plugins
   (the caller reruns and times the test), xdist's distribution; ``--pdb``, ``-x``, ``--lf``,
@@ -226,9 +231,17 @@ class RankSession:
     """One calling session's pytest session in this rank."""
 
     def __init__(self, key: str, setup: dict[str, Any], rank: int) -> None:
+        import pytest
         from _pytest.config import Config
         from _pytest.main import Session
 
+        caller = setup.get("pytest")
+        if caller and caller != pytest.__version__:  # fail closed: one pytest builds both
+            raise RuntimeError(
+                f"cpq: this rank runs pytest {pytest.__version__}, the calling process pytest "
+                f"{caller}: the ranks rebuild the caller's session with the caller's pytest "
+                "(same interpreter and packages); start the groups again (`cpq stop`)"
+            )
         self.key = key
         self.dir = str(setup["dir"])
         os.chdir(self.dir)  # the invocation directory: conftest and relative paths
@@ -247,8 +260,10 @@ class RankSession:
             args += ["--rootdir", str(setup["rootdir"])]
         if setup.get("inifile"):
             args += ["-c", str(setup["inifile"])]
+        # The caller's collection arguments, as it resolved them (its paths and node ids, or
+        # its ini's testpaths): initial conftests and the tree collected are the caller's.
+        args += [str(arg) for arg in setup.get("args") or ()]
         self.config = Config.fromdictargs(options, args)
-        self.config.args = []
         self.recorder = _Recorder()
         self.config.pluginmanager.register(self.recorder, "cpq-rank-recorder")
         self.config.pluginmanager.register(_phase_plugin(), "cpq-rank-phases")
@@ -264,7 +279,9 @@ class RankSession:
         self.session = Session.from_config(self.config)
         self.config.hook.pytest_sessionstart(session=self.session)
         self.items: dict[str, Any] = {}
-        self.collected: set[str] = set()
+        #: Why this rank's collection failed as a whole (None: it did not, or not yet).
+        self.collect_error: str | None = None
+        self.collected = False
         #: ``random``/numpy/torch states kept while another kind of task ran here (None:
         #: the live generators are this session's own).
         self.generators: dict[str, Any] | None = None
@@ -288,38 +305,56 @@ class RankSession:
         manager.register(_QuietReporter(self.config, writer), "terminalreporter")
 
     def item(self, nodeid: str, path: str) -> Any:
-        """The item ``nodeid``, collecting its module ``path`` once; a str saying why not."""
-        if nodeid not in self.items and path not in self.collected:
-            self.collected.add(path)
-            self.recorder.collect_failures = []
-            try:
-                found = self.session.perform_collect([path])
-            except Exception as exc:  # UsageError (not found) and the like
-                return f"collecting {path} failed in this rank: {exc}"
-            for each in found:
-                self.items.setdefault(each.nodeid, each)
-                _note_test_module(getattr(each, "module", None))
+        """The item ``nodeid`` (of the file ``path``), collecting the caller's arguments on
+        this session's first test; a str saying why there is none."""
+        if not self.collected:
+            self._collect()
         item = self.items.get(nodeid)
         if item is not None:
             return item
-        failures = "\n".join(str(r.longrepr) for r in self.recorder.collect_failures)
+        if self.collect_error is not None:
+            return self.collect_error
+        file_id = nodeid.partition("::")[0]
+        failures = "\n".join(
+            str(r.longrepr)
+            for r in self.recorder.collect_failures
+            if r.nodeid in ("", ".") or file_id == r.nodeid or file_id.startswith(r.nodeid + "/")
+        )
         return f"this rank collected no test {nodeid} from {path}" + (
             f":\n{failures}" if failures else " (its ids differ from the calling process's)"
         )
+
+    def _collect(self) -> None:
+        """Collect what the caller collected, as pytest's main loop does (the
+        ``pytest_collection`` hook: assertion rewriting learns the session's initial paths
+        there); a module's failure is kept for its own tests, the others run."""
+        self.collected = True
+        self.recorder.collect_failures = []
+        try:
+            self.config.hook.pytest_collection(session=self.session)
+        except Exception as exc:  # UsageError (an argument not found) and the like
+            args = " ".join(str(arg) for arg in self.config.args)
+            self.collect_error = f"collecting {args} failed in this rank: {exc}"
+        for each in getattr(self.session, "items", None) or ():
+            self.items.setdefault(each.nodeid, each)
+            _note_test_module(getattr(each, "module", None))
+        # The caller reported its own collection's warnings; the first test's are its own.
+        self.recorder.clear()
 
     def run(self, item: Any, next_nodeid: str | None) -> None:
         """Run ``item``'s protocol, torn down towards ``next_nodeid`` (the caller's next)."""
         state = self.session._setupstate
         if state.stack:
-            # Left standing by a test whose next one ran elsewhere, or one of another
-            # module (each module's collection has nodes of its own): end what this test
-            # does not share, by identity, before it starts.
+            # Left standing by a test whose next one ran elsewhere (on another group, or in
+            # the calling process): end what this test does not share before it starts.
             mine = item.listchain()
             shared = [node for node in state.stack if node in mine]
             stand_in: Any = _Next(shared)
             state.teardown_exact(stand_in)
-        chain = _shared_chain(item, next_nodeid)
-        nextitem = None if chain is None else _Next(chain)
+        nextitem = self.items.get(next_nodeid) if next_nodeid is not None else None
+        if nextitem is None and next_nodeid is not None:  # a test this rank did not collect
+            chain = _shared_chain(item, next_nodeid)
+            nextitem = None if chain is None else _Next(chain)
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
 
     def close(self) -> None:
