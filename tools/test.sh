@@ -5,6 +5,13 @@
 #   tools/test.sh --static   # also ruff and mypy first (.ci/run: exactly this)
 #   tools/test.sh -- -k fidelity    # arguments after -- go to pytest
 #
+# Then a second environment: the suites that depend on pytest's own internals (the ranks
+# rebuild the caller's pytest session; the toolbox plugins) run again on the oldest pytest
+# pyproject allows and on the newest release, each in a venv of its own made here
+# (.venv-pytest/<version>), for each version this environment does not have already (its
+# full run tested that one). CPQ_PYTEST_VERSIONS="8.2.0 9.2.0" by default; empty skips it,
+# as does a run given pytest arguments unless CPQ_PYTEST_VERSIONS is set.
+#
 # Installs: cpq with its test extra (pinning torch==2.13.0, the version CI tests with; set
 # CPQ_TORCH= to keep yours), and,
 # where missing and this runs as root, the Debian packages the end-to-end tests drive for
@@ -67,4 +74,29 @@ xdist=()
 if ((workers > 0)); then
     xdist=(-n "$workers" --dist loadfile)
 fi
-exec python -m pytest -q "${xdist[@]}" "${pytest_args[@]}"
+status=0
+python -m pytest -q "${xdist[@]}" "${pytest_args[@]}" || status=$?
+
+# The second environment (see the top). The oldest is pyproject's lower bound and the newest
+# the latest release (tests/unit/test_pytest_versions.py keeps them in step).
+if ((${#pytest_args[@]})); then
+    versions=${CPQ_PYTEST_VERSIONS-}
+else
+    versions=${CPQ_PYTEST_VERSIONS-8.2.0 9.2.0}
+fi
+version_suites=(tests/test_ranks_run_pytest.py tests/test_rank_sessions.py tests/test_toolbox.py)
+have=$(python -c 'import pytest; print(pytest.__version__)')
+for version in $versions; do
+    if [[ $version == "$have" ]]; then
+        echo "tools/test.sh: pytest $version: tested above" >&2
+        continue
+    fi
+    venv=.venv-pytest/$version
+    [[ -x $venv/bin/python ]] || python -m venv "$venv"
+    # shellcheck disable=SC2086  # an empty pin expands to nothing
+    "$venv/bin/python" -m pip install -q ${CPQ_TORCH-torch==2.13.0} -e '.[test]' \
+        "pytest==$version"
+    echo "tools/test.sh: pytest $version: ${version_suites[*]}" >&2
+    "$venv/bin/python" -m pytest -q "${xdist[@]}" "${version_suites[@]}" || status=$?
+done
+exit "$status"
