@@ -187,6 +187,26 @@ def test_the_page_in_a_real_browser_shows_each_group_and_each_test(
     assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
 
 
+def test_a_time_ago_reads_as_the_readme_writes_it(session: Path, tmp_path: Path) -> None:
+    """``cpq status --timeline x.html --since -4m``: a value that starts with ``-`` after
+    ``--since``/``--until`` is the time, not an option (argparse alone says "expected one
+    argument")."""
+    page = tmp_path / "x.html"
+    command = [str(Path(sys.executable).parent / "cpq"), "status", "--timeline", str(page)]
+    done = subprocess.run(
+        [*command, "--since", "-1d"],
+        env=dict(os.environ, CPQ_STATE_DIR=str(session)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and page.stat().st_size > 0, done.stderr
+    trace = tmp_path / "trace.json"
+    done = cpq_status("--trace", str(trace), "--since", "-1d", "--until", "-0s", state=session)
+    assert done.returncode == 0, done.stderr
+    assert sorted(check_trace(json.loads(trace.read_text()))) != []
+
+
 def test_no_session_and_a_bad_time_are_clear_errors(session: Path, tmp_path: Path) -> None:
     out = tmp_path / "trace.json"
     done = cpq_status("--trace", str(out), "--session", "no-such-session", state=session)

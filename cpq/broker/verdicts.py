@@ -123,7 +123,10 @@ class Verdicts:
                 frame = protocol.encode_for(protocol.Done(result), features)
             self.send_client(task.client, frame)
         # After the send: the client waits for the verdict, not for the history's disk write.
-        self.timeline.attempt(task, outcome, task.last_group_id)
+        # A test whose deadline passed is FAILED in pytest (pytest-timeout's failure, or
+        # cpq's error in the call phase): the timeline colours it as pytest reports it.
+        shown = "failed" if cause == "deadline" else outcome
+        self.timeline.attempt(task, shown, task.last_group_id)
         if timing is not None:
             self.record(timing)
 

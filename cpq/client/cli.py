@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -129,7 +130,20 @@ def status_main(argv: Sequence[str] | None = None) -> int:
     parser = _status_parser(
         argparse.ArgumentParser(prog="cpq-status", description="Show a broker's state.")
     )
+    argv = joined_times(sys.argv[1:] if argv is None else argv)
     return safely(_run_status, parser.parse_args(argv), "cpq-status")
+
+
+def joined_times(argv: Sequence[str]) -> list[str]:
+    """``--since -4m`` read as ``--since=-4m`` (README's form): argparse takes a value that
+    starts with ``-`` and is not a plain number for an option (``expected one argument``)."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] in ("--since", "--until") and re.match(r"-\d", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 # --------------------------------------------------------------------------- submit
@@ -326,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_merge_arguments(merge)
     merge.set_defaults(run=guarded)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(joined_times(argv))
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
     return safely(args.run, args, f"cpq {args.command}")

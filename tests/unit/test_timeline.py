@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from cpq import protocol
 from cpq.timeline import records
 from cpq.timeline.command import parse_time, select
 from cpq.timeline.html import build_html
@@ -74,6 +75,22 @@ def test_the_broker_records_spawns_attempts_and_a_failed_group_where_they_happen
     slices = check_trace(trace)
     tasks = [e for track in slices.values() for e in track if e["cat"] in ("task", "warm-up")]
     assert sorted(e["name"] for e in tasks) == ["t.py::a", "t.py::b", "t.py::b"]
+
+
+def test_a_timed_out_test_is_recorded_failed_as_pytest_reports_it(tmp_path: Path) -> None:
+    """Its verdict is cpq's ``error`` (cause ``deadline``); pytest reports the test FAILED
+    (pytest-timeout's failure, or cpq's in the call phase): the page colours it failed."""
+    sim = Sim(timings_file=tmp_path / "timings.jsonl", stack_wait_s=1.0)
+    sim.client(b"c1", name="pytest", session="s1", features=sorted(protocol.ALL_FEATURES))
+    hung = sim.submit(test_id="t.py::hangs", pool_spec=spec(1), timeout=5, retries=0)
+    sim.bring_up("g1")
+    sim.tick(5.1)
+    sim.stacks("g1", 0, hung, "in recv")
+    assert (sim.done()[hung].outcome, sim.done()[hung].cause) == ("error", "deadline")
+    (record,) = [r for r in _recorded(sim, tmp_path) if r["ev"] == "task"]
+    assert (record["test"], record["outcome"]) == ("t.py::hangs", "failed")
+    page = build_html([select(build(_recorded(sim, tmp_path)), "all", None, None)], "t")
+    assert "fill='#e53935'><title>t.py::hangs\nfailed," in page  # pytest's red, not purple
 
 
 def test_a_broker_without_a_history_records_nothing(tmp_path: Path) -> None:
