@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from cpq import protocol
-from cpq.client import combine, reruns
+from cpq.client import combine, reruns, timeouts
 from cpq.client.report import CpqTaskFailed, report_result
 from cpq.protocol import TaskResult
 
@@ -203,6 +203,7 @@ def prepare(
         "next": nextitem.nodeid if nextitem is not None else None,
     }
     item.stash[RUN_KEY] = _Run(submit, debugger, kwargs, placement.world_size)
+    item.stash[timeouts.ON_RANKS_KEY] = True  # pytest-timeout's timer is the ranks' deadline
     item.setup = functools.partial(_setup, item)  # type: ignore[method-assign]
     item.runtest = functools.partial(_call, item)  # type: ignore[method-assign]
     # skip, skipif and xfail are the ranks' to evaluate (a condition may read RANK or
@@ -219,16 +220,13 @@ def prepare(
 RANKS_DECIDE = frozenset({"skip", "skipif", "xfail"})
 
 
-def on_ranks(item: pytest.Item) -> bool:
-    """Whether ``item`` is running on the ranks now (for pytest-timeout's timer)."""
-    return RUN_KEY in item.stash
-
-
 def restore(item: pytest.Item) -> None:
     for name in ("setup", "runtest", "iter_markers"):
         item.__dict__.pop(name, None)
     if RUN_KEY in item.stash:
         del item.stash[RUN_KEY]
+    if timeouts.ON_RANKS_KEY in item.stash:
+        del item.stash[timeouts.ON_RANKS_KEY]
 
 
 def _setup(item: pytest.Item) -> None:
@@ -265,8 +263,6 @@ def _call(item: pytest.Item) -> None:
 
 def _infra(item: pytest.Item, result: TaskResult) -> None:
     """A verdict without the ranks' reports: pytest-timeout's failure, or cpq's error."""
-    from cpq.client import timeouts
-
     timeouts.fail_if_timed_out(item, result)
     _offer_debugger(item, result)
     report_result(item, result, item.nodeid)

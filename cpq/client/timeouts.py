@@ -23,11 +23,13 @@ import time
 
 import pytest
 
-from cpq.client import items
 from cpq.protocol import TaskResult
 
 #: (timeout in seconds, when the timer was set): the timer cpq took from pytest-timeout.
 TIMER_KEY = pytest.StashKey[tuple[float, float]]()
+#: Set while the item runs on the ranks (:mod:`cpq.client.items` sets it: it imports this
+#: module, never the other way round).
+ON_RANKS_KEY = pytest.StashKey[bool]()
 #: pytest-timeout's failure message (``pytest_timeout.PYTEST_FAILURE_MESSAGE``).
 FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
 #: How much later than the test's timeout pytest-timeout's own timer fires: after the
@@ -39,7 +41,7 @@ def _runs_on_ranks(item: pytest.Item) -> bool:
     """A test that runs on the ranks now: its protocol is hollow here (cpq.client.items),
     so pytest-timeout's signal would only interrupt the wait. A marker test in the fixture
     style runs its body here: pytest-timeout's own timer, as it is."""
-    return items.on_ranks(item)
+    return item.stash.get(ON_RANKS_KEY, False)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

@@ -57,6 +57,9 @@ def imports_of(path: Path) -> set[str]:
                 found.update(f"cpq.{a.name}" for a in node.names)
             elif node.module.startswith("cpq"):
                 found.add(node.module)
+                # ``from cpq.client import items`` imports the module cpq.client.items
+                # (:func:`real` keeps the names that are not modules to their module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
     return {m for m in found if m != "cpq.__version__"}
 
 
