@@ -343,16 +343,22 @@ WAITER = """
 import pytest
 
 
+def test_here():
+    pass
+
+
 @pytest.mark.cpq(world_size=1, env={"CPQ_TEST_POOL": "waiter"})
 def test_wait():
     pass
 """
 
 
-def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verbosity", [[], ["-q"]], ids=["default", "quiet"])
+def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path, verbosity: list[str]) -> None:
     """A broker with one core for busy ranks (--max-ranks 1), held by another session's busy
     group: the waiting test says why on the terminal after 3 s (README), then runs once
-    freed."""
+    freed. The notice is a line of its own and pytest's progress line goes on after it as
+    pytest starts one (the file's name, then the letters), never a letter alone."""
     from conftest import start_broker, stop_broker
 
     process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "1", "--spares", "0")
@@ -369,14 +375,23 @@ def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
             MYPROJ_HELD=str(held),
             MYPROJ_RELEASE=str(release),
         )
-        command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
-        holder = subprocess.Popen(command, cwd=tmp_path / "holder", env=env)
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+        ]
+        holder = subprocess.Popen([*command, "-q"], cwd=tmp_path / "holder", env=env)
         deadline = time.monotonic() + 120
         while not held.exists():
             assert holder.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         waiter = subprocess.Popen(
-            command,
+            [*command, *verbosity],
             cwd=tmp_path / "waiter",
             env=env,
             stdout=subprocess.PIPE,
@@ -398,6 +413,15 @@ def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path) -> None:
         group = r"(none yet|1 starting|1 idle, waiting for cores)"
         why = rf"waiting for a ws1/\S+ CPQ_TEST_POOL=waiter group \(\w+\): {group}; 0 of 1 CPU"
         assert re.search(why, out), out
+        assert "Warning" not in out, out  # -s shows the ranks' stderr: building their session
+        shown = out.splitlines()
+        notices = [i for i, line in enumerate(shown) if "waiting for a ws1" in line]
+        assert all(shown[i].startswith("cpq: waiting for a ws1") for i in notices), out
+        before, after = shown[notices[0] - 1], shown[notices[-1] + 1]
+        if verbosity:  # -q: the letters, then the notice, then the next letter
+            assert (before, after[:1]) == (".", "."), out
+        else:  # test_here's progress line, then test_wait's
+            assert before == "test_wait.py ." and after.startswith("test_wait.py ."), out
     finally:
         stop_broker(process)
 

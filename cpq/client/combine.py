@@ -23,6 +23,7 @@ broker failed whose reports show no failure fails the test all the same.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -79,7 +80,7 @@ def combine_phase(
         same = [rank for rank, report in failed if report.longreprtext == base.longreprtext]
         for rank, report in failed:
             if rank not in same:
-                add_section(base, f"rank {rank}", report.longreprtext)
+                add_section(base, f"rank {rank}", full_text(report))
         whose = f"the report above is rank {first}'s"
         if len(same) > 1:
             whose += f", the same on rank(s) {same[1:]}"
@@ -120,12 +121,59 @@ def _setup_only(config: pytest.Config) -> bool:
 
 
 def add_section(report: pytest.TestReport, name: str, text: str) -> None:
-    """A titled section after a failure's report (pytest's own, where it has sections)."""
+    """A titled section after a failure's report, under pytest's full-width separator: the
+    report's own sections where it has them (a traceback), else a text that prints its
+    sections as pytest does (a fixture not found, a strict XPASS)."""
     longrepr: Any = report.longrepr
     if hasattr(longrepr, "addsection"):
         longrepr.addsection(name, text)
+    elif isinstance(longrepr, SectionedText):
+        report.longrepr = SectionedText(longrepr.text, [*longrepr.sections, (name, text)])
     else:
-        report.longrepr = f"{longrepr}\n{'-' * 20} {name} {'-' * 20}\n{text}"
+        report.longrepr = SectionedText(str(longrepr), [(name, text)])
+
+
+class SectionedText(str):
+    """A failure's text with titled sections after it. pytest prints it (``toterminal``) as
+    it prints a traceback's sections: each title in a separator as wide as the terminal. As
+    a string (JUnit, pytest-xdist's workers, the short summary) it is the same text with
+    80-column separators."""
+
+    text: str
+    sections: list[tuple[str, str]]
+
+    def __new__(cls, text: str, sections: list[tuple[str, str]]) -> SectionedText:
+        lines = [text]
+        for name, content in sections:
+            lines += [_separator(name, 80), content]
+        made = super().__new__(cls, "\n".join(lines))
+        made.text, made.sections = text, list(sections)
+        return made
+
+    def toterminal(self, out: Any) -> None:
+        out.line(self.text)
+        for name, content in self.sections:
+            out.sep("-", name)
+            out.line(content)
+
+
+def _separator(title: str, width: int) -> str:
+    """pytest's ``TerminalWriter.sep("-", title)`` at ``width`` columns."""
+    fill = "-" * max((width - len(title) - 2) // 2, 1)
+    line = f"{fill} {title} {fill}"
+    return line + "-" if len(line) + 1 <= width else line
+
+
+def full_text(report: pytest.TestReport) -> str:
+    """The report as pytest prints it, without markup — its first line's indentation
+    kept (``longreprtext`` strips it: a rank's ``    def test_x():`` lost its four spaces)."""
+    from _pytest._io import TerminalWriter
+
+    out = io.StringIO()
+    writer = TerminalWriter(out)
+    writer.hasmarkup = False
+    report.toterminal(writer)
+    return out.getvalue().strip("\n").rstrip()
 
 
 def _reason(report: pytest.TestReport) -> str:

@@ -236,6 +236,7 @@ class CpqSession:
     ) -> TaskResult:
         from cpq.client.api import BrokerUnavailable
 
+        notices = _Notices(self.config, test_id)
         if not self.broker_gone:
             cov = coverage_relay.current()
             context = f"{test_id}|run" if getattr(self.config.option, "cov_context", "") else ""
@@ -248,7 +249,7 @@ class CpqSession:
                     env=env,
                     test_id=test_id,
                     roots=self.roots(),
-                    on_wait=self._say_waiting,
+                    on_wait=notices.say,
                     affinity=affinity,
                     retries=self.retries if retries is None else retries,
                     debug_rank=self.debug_rank if debug else None,
@@ -262,6 +263,7 @@ class CpqSession:
             except BrokerUnavailable as exc:
                 self.broker_gone = f"cpq: {exc}"
             else:
+                notices.done()
                 if cov is not None:
                     coverage_relay.merge(cov, result.coverage)
                 self.stats.record(result)
@@ -274,22 +276,60 @@ class CpqSession:
                     return result
         pytest.fail(self.broker_gone, pytrace=False)  # one line: the broker is gone
 
-    def _say_waiting(self, notice: str) -> None:
-        """The broker's word on why a test still waits for a group, shown as it happens:
-        on the terminal (past pytest's capture) and in the test's captured stderr."""
-        line = f"cpq: {notice}"
-        sys.stderr.write(line + "\n")  # lands in the test's captured stderr (and JUnit)
-        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        capture = self.config.pluginmanager.get_plugin("capturemanager")
-        if reporter is None or capture is None or hasattr(self.config, "workerinput"):
-            return  # an xdist worker has no terminal of its own: the stderr copy is shown
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(line, yellow=True)
-
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+class _Notices:
+    """The broker's word on why a test still waits for a group, shown as it happens: on the
+    terminal (past pytest's capture), each on a line of its own, and in the test's captured
+    stderr (JUnit's ``<system-err>``). pytest's progress line goes on after them as pytest
+    writes it after any line of its own: the test file's name again, then the letters."""
+
+    def __init__(self, config: pytest.Config, test_id: str) -> None:
+        self.config = config
+        self.test_id = test_id
+        self.shown = False
+
+    def _terminal(self) -> tuple[Any, Any] | None:
+        manager = self.config.pluginmanager
+        reporter = manager.get_plugin("terminalreporter")
+        capture = manager.get_plugin("capturemanager")
+        if reporter is None or capture is None or hasattr(self.config, "workerinput"):
+            return None  # an xdist worker has no terminal of its own: the stderr copy is shown
+        return reporter, capture
+
+    def say(self, notice: str) -> None:
+        line = f"cpq: {notice}"
+        terminal = self._terminal()
+        if terminal is not None:
+            reporter, capture = terminal
+            with capture.global_and_fixture_disabled():
+                reporter.ensure_newline()  # ends a progress line pytest knows it is on
+                writer = getattr(reporter, "_tw", None)
+                if getattr(writer, "width_of_current_line", 0):  # -q: a line of letters
+                    reporter.write("\n")
+                reporter.write_line(line, yellow=True)
+            self.shown = True
+            if self.config.getoption("capture", "fd") == "no":
+                return  # -s: stderr is this terminal, which has the line already
+        sys.stderr.write(line + "\n")  # lands in the test's captured stderr (and JUnit)
+
+    def done(self) -> None:
+        """After the wait: the test's letter goes on a progress line that names its file, as
+        pytest starts one (``tests/test_x.py ``) — not alone on a line after the notice."""
+        terminal = self._terminal() if self.shown else None
+        if terminal is None:
+            return
+        reporter, capture = terminal
+        if not reporter.showfspath or reporter.showlongtestinfo or reporter.currentfspath:
+            return  # -q writes letters only; -v writes the test's name again itself
+        path = self.config.rootpath / self.test_id.split("::")[0]
+        with capture.global_and_fixture_disabled():
+            reporter.write(os.path.relpath(path, reporter.startpath) + " ")
+        reporter.currentfspath = path
 
 
 @functools.cache

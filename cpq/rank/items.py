@@ -247,6 +247,9 @@ class RankSession:
         os.chdir(self.dir)  # the invocation directory: conftest and relative paths
         options = dict(setup.get("options") or {})
         options.update(RANK_OPTIONS)
+        # The positional arguments are given as such below (an empty list here makes
+        # argparse warn "Do not expect file_or_dir" on the rank's stderr).
+        options.pop("file_or_dir", None)
         if options.get("basetemp"):  # each rank its own, as each fresh process has
             base = str(options["basetemp"])
             # The caller's may not exist yet (an xdist worker's, made when first used there;
