@@ -32,7 +32,7 @@ import pytest
 
 from cpq import protocol
 from cpq.client import combine, reruns, timeouts
-from cpq.client.report import CpqTaskFailed, report_result
+from cpq.client.report import BrokerGone, CpqTaskFailed, report_result
 from cpq.protocol import TaskResult
 
 #: What the ranks run (``cpq.rank.items.run_item``).
@@ -235,7 +235,7 @@ def _setup(item: pytest.Item) -> None:
     run.phases, run.refused = {}, None
     try:
         run.result = result = run.submit(run.kwargs)
-    except pytest.fail.Exception as exc:  # the broker is gone: one line, in the call phase
+    except BrokerGone as exc:  # one line, in the call phase (a timeout's fails the setup)
         run.refused = exc
         return
     if item.config.getoption("capture", "fd") == "no":

@@ -32,6 +32,11 @@ _FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+)', re.M)
 _NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(pytest.__file__))) + os.sep,)
 
 
+class BrokerGone(pytest.fail.Exception):  # type: ignore[name-defined,misc]
+    """pytest's failure (``pytest.fail``) saying the broker is gone: a test's own failure
+    raised during the wait (pytest-timeout's, in setup) is not this one."""
+
+
 class CpqTaskFailed(Exception):
     """A task failed or errored on the ranks; its report is built from the ranks' reports."""
 

@@ -21,6 +21,7 @@ import pytest
 
 from cpq import paths, rng
 from cpq.client import coverage_relay, pdb_relay, reruns
+from cpq.client.report import BrokerGone
 from cpq.protocol import PoolSpec, TaskResult
 
 #: How a draining broker answers a submit (``cpq.broker.tasks``).
@@ -274,7 +275,7 @@ class CpqSession:
                     self.broker_gone = "cpq: the broker is draining (cpq drain): no new tests"
                 else:
                     return result
-        pytest.fail(self.broker_gone, pytrace=False)  # one line: the broker is gone
+        raise BrokerGone(self.broker_gone, pytrace=False)  # one line: the broker is gone
 
     def close(self) -> None:
         if self._client is not None:
