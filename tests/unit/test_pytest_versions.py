@@ -110,3 +110,12 @@ def test_a_marker_cpq_cannot_use_names_the_problem(
         _args(*args, **kwargs)
     assert str(raised.value).startswith("cpq marker: ")
     assert why in str(raised.value)
+
+
+def test_a_rank_whose_pytest_is_not_the_callers_refuses_the_task(tmp_path: Path) -> None:
+    """The ranks rebuild the caller's session with the caller's pytest: another one (an
+    upgrade under a warm group, another interpreter's) is refused before anything is built."""
+    from cpq.rank.items import RankSession
+
+    with pytest.raises(RuntimeError, match=rf"pytest {re.escape(pytest.__version__)}, the calling"):
+        RankSession("key", {"dir": str(tmp_path), "pytest": "8.2.0.dev1"}, 0)
