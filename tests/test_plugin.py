@@ -417,7 +417,8 @@ def test_a_test_that_waits_for_a_group_says_why(tmp_path: Path, verbosity: list[
         assert re.search(why, out), out
         # -s shows the ranks' stderr: building their session warns nothing (argparse did)
         assert "Do not expect" not in out, out
-        shown = out.splitlines()
+        # what the ranks wrote to stderr (-s shows it after the test's prefix) aside
+        shown = re.sub(r"\[rank \d+\].*\n?", "", out).splitlines()
         notices = [i for i, line in enumerate(shown) if "waiting for a ws1" in line]
         assert all(shown[i].startswith("cpq: waiting for a ws1") for i in notices), out
         before, after = shown[notices[0] - 1], shown[notices[-1] + 1]
