@@ -39,13 +39,12 @@ Nothing here imports pytest until a test runs: a rank that never runs one pays n
 from __future__ import annotations
 
 import os
-import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpq.rank import reset
+from cpq.rank import generators, reset
 
 TARGET = "cpq.rank.items:run_item"
 
@@ -429,48 +428,6 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
     return _current
 
 
-def _generators() -> dict[str, Any]:
-    """The states of ``random``, numpy's legacy generator and torch's (CPU, CUDA) now."""
-    states: dict[str, Any] = {"random": random.getstate()}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy"] = numpy.random.get_state(legacy=True)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        states["torch"] = torch.get_rng_state()
-        if torch.cuda.is_initialized():
-            states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _restore_generators(states: dict[str, Any]) -> None:
-    random.setstate(states["random"])
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        if "numpy" in states:
-            numpy.random.set_state(states["numpy"])
-        else:  # imported by the last test: where a fresh process's would be, near enough
-            numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
-    torch = sys.modules.get("torch")
-    if torch is not None and "torch" in states:
-        torch.set_rng_state(states["torch"])
-        if "cuda" in states and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def _fresh_generators() -> None:
-    """``random``, numpy and torch as a fresh process starts them: from fresh entropy."""
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:  # its legacy seed(None) costs 160 us; 32 fresh bits, 4 us
-        numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.default_generator.seed()
-        if torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(int.from_bytes(os.urandom(8), "little") >> 1)
-
-
 def run_item(
     session: str, setup: dict[str, Any], nodeid: str, path: str, next: str | None = None
 ) -> ItemRun:
@@ -487,9 +444,9 @@ def run_item(
     # They are read out (a CUDA copy) only when another kind of task is about to run here.
     if not current.begun:
         current.begun = True
-        _fresh_generators()
+        generators.start_fresh()
     elif current.generators is not None:
-        _restore_generators(current.generators)
+        generators.restore(current.generators)
         current.generators = None
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
@@ -553,7 +510,7 @@ def step_aside() -> None:
     """Another kind of task (a ``cpq.run`` function, a launch) is about to run and reseed
     the generators: keep the current session's, for its next test here."""
     if _current is not None and _current.begun and _current.generators is None:
-        _current.generators = _generators()
+        _current.generators = generators.states()
 
 
 def _not_collected(current: RankSession, nodeid: str, why: str) -> ItemRun:
