@@ -56,6 +56,9 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     # A rank refuses a task of a new caller when the last one left what it cannot put back
     # (stale_kind "state"); without it, the rank says "code" (the same fresh group).
     "state-refusal": {},
+    # ``--cpq-confirm-fresh``: a task that runs only on a group started for it, and whether
+    # a verdict's attempt ran on a group that had served no task before.
+    "fresh-group": {"submit": ("fresh_group",), "done": ("result.on_fresh_group",)},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

@@ -119,6 +119,10 @@ class Submit(Message):
     #: Run only on a group that served no other session (a spare, or one this session
     #: used): nothing a test of another session left in module globals reaches this one.
     own_groups: bool = False
+    #: Run only on a group started for this task (feature ``fresh-group``): it served no
+    #: task before, as a new ``torchrun -m pytest`` process has run none (``pytest
+    #: --cpq-confirm-fresh``; docs/design.md, "Confirm on a fresh group").
+    fresh_group: bool = False
 
 
 @dataclass

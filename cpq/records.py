@@ -151,6 +151,9 @@ class TaskResult:
     phase: str = ""
     #: Why the broker ended it, where a client acts on it (:data:`Cause`).
     cause: Cause = ""
+    #: The attempt that gave this verdict ran its group's first task: a group that served
+    #: no task before, as fresh as a new process (feature ``fresh-group``).
+    on_fresh_group: bool = False
 
     @property
     def value(self) -> Any:

@@ -309,11 +309,16 @@ class Broker:
                 group = failure.group
                 if failure.task is not None:
                     self.tasks.infra_error(failure.task, failure.reason)
-                elif failure.was_starting and not self.pools.serving(group.spec):
+                elif failure.was_starting and (
+                    group.reserved_for or not self.pools.serving(group.spec)
+                ):
+                    # A group started for one task (fresh_group): that task alone waited
+                    # for it, and only another start of its own could serve it.
                     self.tasks.start_failed(
                         group.spec,
                         f"group {group.id} could not start: {failure.reason}",
                         failure.log_tail,
+                        only=group.reserved_for,
                     )
             if not failures and not self.tasks.group_requests:
                 if self._to_place:

@@ -195,6 +195,9 @@ class Group:
     start_bound_env: set[str] = field(default_factory=set)  # of those, read at start-up
     #: The sessions it served (``Submit.session``, else the client's identity).
     sessions: set[str] = field(default_factory=set)
+    #: Started for this task (a :attr:`Task.key` that asked for ``fresh_group``): no other
+    #: task takes it first; "" once it took that task (then an ordinary group).
+    reserved_for: str = ""
 
     @staticmethod
     def id_for(seq: int, broker_tag: str) -> str:

@@ -63,7 +63,7 @@ class Placer:
             now=now,
             wall=pools.clock.time(),
             room=pools.room,
-            groups=pools.view(),
+            groups=pools.view(self._reservable()),
             queues=tuple(views),
             history=pools.history,
             bounds=bounds,
@@ -74,6 +74,13 @@ class Placer:
             closing=closing,
             warm=tuple(self.requests.warm),
         )
+
+    def _reservable(self) -> frozenset[str] | None:
+        """The queued tasks that may hold a reserved group (None: no group is reserved,
+        the common case, which then costs no walk over the queues)."""
+        if not any(g.reserved_for for g in self.pools.groups.values()):
+            return None
+        return frozenset(t.key for t in self.tasks.queues if t.submit.fresh_group)
 
     def place(self, closing: bool) -> None:
         """Decide and carry out until a placement's decisions all took effect."""
@@ -99,7 +106,8 @@ class Placer:
                     pools.fail(group, unreachable)
                     return True  # settle() carries the failure out and places again
             elif isinstance(decision, Start):
-                if pools.start(decision.spec, list(decision.gpus), decision.spare) is None:
+                gpus, spare = list(decision.gpus), decision.spare
+                if pools.start(decision.spec, gpus, spare, decision.for_task) is None:
                     # torchrun did not start: a failure settle() carries out, then places
                     # again; else a GPU was leased elsewhere: the next snapshot shows it
                     return bool(pools.failures)
@@ -141,4 +149,5 @@ def _queued(task: Task) -> Queued:
         task.submit.affinity,
         fresh=task.stale_bounces > 0,
         own_groups=task.submit.own_groups,
+        fresh_group=task.submit.fresh_group,
     )

@@ -122,11 +122,12 @@ class Pools:
         """What the CPU groups hold, as placement counts it (``--memory``)."""
         return sum(v.memory_mb for v in self.view() if v.cpu)
 
-    def view(self) -> tuple[GroupView, ...]:
-        """The groups as placement sees them."""
-        return tuple(self._view(g) for g in self.groups.values())
+    def view(self, queued: frozenset[str] | None = None) -> tuple[GroupView, ...]:
+        """The groups as placement sees them; ``queued``: the keys of the queued tasks (a
+        group reserved for a task no longer queued, cancelled say, is an ordinary one)."""
+        return tuple(self._view(g, queued) for g in self.groups.values())
 
-    def _view(self, group: Group) -> GroupView:
+    def _view(self, group: Group, queued: frozenset[str] | None = None) -> GroupView:
         cpu = not self.room.uses_gpus(group.spec)
         memory = 0.0
         if cpu:  # measured where it can be; a group not ready yet holds its spec's estimate
@@ -152,11 +153,14 @@ class Pools:
             group.tasks_done,
             tuple(sorted(group.unfit.items())),
             growth,
+            group.reserved_for if queued is None or group.reserved_for in queued else "",
         )
 
     # ---- starting and stopping
 
-    def start(self, spec: PoolSpec, gpus: list[str], spare: bool = False) -> Group | None:
+    def start(
+        self, spec: PoolSpec, gpus: list[str], spare: bool = False, reserved_for: str = ""
+    ) -> Group | None:
         """Start a group of ``spec`` on ``gpus``, as placement decided; None when a GPU's
         lease is held elsewhere (:meth:`Leases.held_elsewhere` then says which; nothing is
         taken) or torchrun did not start."""
@@ -185,6 +189,7 @@ class Pools:
             started_wall=self.clock.time(),
             last_used=now,
             spare=spare,
+            reserved_for=reserved_for,
         )
         self.groups[group_id] = group
         self.totals.groups_started += 1
@@ -257,6 +262,7 @@ class Pools:
         group.state = "busy"
         group.task = task
         group.spare = False  # an ordinary group now; placement starts a new spare
+        group.reserved_for = ""  # ... and one that served its task: not reserved any more
         group.last_used = now = self.clock.monotonic()
         group.sessions.add(session_of(task))
         self.history.used(group.spec, now, task.client, task.submit.affinity, group.id)

@@ -335,11 +335,14 @@ class Tasks:
             return
         self.retry_once(task, reason, detail, group_id=group_id, front=True, cause=cause)
 
-    def start_failed(self, spec: protocol.PoolSpec, reason: str, log_tail: str) -> None:
+    def start_failed(
+        self, spec: protocol.PoolSpec, reason: str, log_tail: str, only: str = ""
+    ) -> None:
         """No group of ``spec`` came up (and none is left to try): its queued tasks get one
-        more try, then an error carrying the end of the group's log."""
+        more try, then an error carrying the end of the group's log. ``only``: the key of
+        the one task the group was started for (``fresh_group``); the others wait on."""
         detail = f"--- end of the group's log ---\n{log_tail}"
-        for task in self.queues.remove(lambda t: t.spec == spec):
+        for task in self.queues.remove(lambda t: t.spec == spec and (not only or t.key == only)):
             self.retry_once(task, reason, detail)
 
     def retry_once(

@@ -108,6 +108,7 @@ class Verdicts:
             coverage=[task.coverage[r] for r in sorted(task.coverage)],
             phase=task.hung_phase,
             cause=cause,
+            on_fresh_group=bool(task.started_at) and task.first_on_group,
         )
         ran = task.started_at or task.attempts > 1  # not: rejected, cancelled while queued
         timing = self.timing(task, result) if ran else None  # the outcome before any encoding

@@ -104,7 +104,8 @@ class SubmitOptions(TypedDict, total=False):
     fixed seed). ``coverage``: measure the body on every rank with this configuration
     (:func:`cpq.client.coverage_relay.session_config`); each rank's data comes back in
     ``TaskResult.coverage``. ``session``: the test session it belongs to (default: this
-    client); ``own_groups``: run only on a group that served no other session.
+    client); ``own_groups``: run only on a group that served no other session;
+    ``fresh_group``: run only on a group started for this task (it served no task before).
     """
 
     timeout: float | None
@@ -120,12 +121,13 @@ class SubmitOptions(TypedDict, total=False):
     coverage: dict[str, Any] | None
     session: str
     own_groups: bool
+    fresh_group: bool
 
 
 #: The options that are fields of the ``submit`` message as they are.
 _SUBMIT_FIELDS = (
     "seed", "test_id", "affinity", "retries", "debug_rank", "rng", "coverage", "session",
-    "own_groups",
+    "own_groups", "fresh_group",
 )  # fmt: skip
 
 

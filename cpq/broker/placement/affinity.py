@@ -5,7 +5,10 @@ client round-robin, :mod:`cpq.broker.queues`). Which idle group: the one that la
 task's affinity key (:mod:`~cpq.broker.placement.history` says why), else the most recently
 used one; a spare (a group that has run no task) only when no used group is idle, or first
 for a task whose last group found its code changed (``fresh``: the other used groups
-loaded the same code); with ``own_groups`` only a group that served no other session.
+loaded the same code); with ``own_groups`` only a group that served no other session; with
+``fresh_group`` only the group started for it (:mod:`.growth`), which no other task takes.
+While that group starts, the spec's later tasks wait behind it, as behind any head of the
+queue (a spawn; docs/design.md, "Confirm on a fresh group").
 
 A CPU task takes its group only when its ranks find cores (busy ranks within
 ``--max-ranks``); otherwise it waits, and so does every younger CPU task (the oldest want is
@@ -22,9 +25,13 @@ def step(plan: Plan) -> None:
     for queue in plan.snapshot.queues:
         spec = queue.spec
         for task in list(plan.pending.get(spec, ())):
-            own = task.session if task.own_groups else None
-            preferred = plan.snapshot.history.group_for(spec, task.affinity)
-            group = pick_idle(plan.idle(spec), preferred, task.fresh, own)
+            if task.fresh_group:
+                mine = plan.reserved(task.key)
+                group = mine if mine is not None and mine.state == "idle" else None
+            else:
+                own = task.session if task.own_groups else None
+                preferred = plan.snapshot.history.group_for(spec, task.affinity)
+                group = pick_idle(plan.idle(spec), preferred, task.fresh, own)
             if group is None:
                 break
             if plan.is_cpu(spec) and (plan.cores_reserved or not plan.cores_free_for(spec)):

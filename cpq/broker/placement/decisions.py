@@ -22,7 +22,8 @@ class Start:
 
     ``ref`` names it inside one placement (a later decision of the same placement may not
     refer to it: it has no id before it starts). ``since``: wall clock, when the oldest task
-    it is for was queued (None: no task waits for it, a spare or a warm-up)."""
+    it is for was queued (None: no task waits for it, a spare or a warm-up). ``for_task``:
+    the key of the task it is started for, which alone may take it (``fresh_group``)."""
 
     spec: PoolSpec
     gpus: tuple[str, ...]
@@ -30,6 +31,7 @@ class Start:
     why: str
     since: float | None = None
     ref: str = ""
+    for_task: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,11 @@ only if stopping them makes the start fit:
   groups), idle used groups, those whose spec has tasks queued last;
 * with ``own_session``, idle groups of the spec itself that served another session count as
   others: they can never take that task, and were they not candidates it would wait for good
-  behind idle groups filling the room (docs/design.md, "Groups of one's own").
+  behind idle groups filling the room (docs/design.md, "Groups of one's own");
+* with ``same_spec`` (a task that runs only on a group started for it), every idle group of
+  the spec counts as another's, for the same reason.
+
+A group reserved for a task (``fresh_group``) is never stopped for another's room.
 
 Every stop says what it made room for and which budget was short.
 """
@@ -22,12 +26,17 @@ from cpq.protocol import PoolSpec
 
 
 def make_room(
-    plan: Plan, spec: PoolSpec, since: float, used: bool, own_session: str | None = None
+    plan: Plan,
+    spec: PoolSpec,
+    since: float,
+    used: bool,
+    own_session: str | None = None,
+    same_spec: bool = False,
 ) -> bool:
     """Stop what must go for a group of ``spec`` to fit; True when something was stopped."""
     if plan.stopping():
         return False
-    candidates = order(plan, spec, used, own_session)
+    candidates = order(plan, spec, used, own_session, same_spec)
     for count in range(1, len(candidates) + 1):
         victims = candidates[:count]
         if plan.fits_after(spec, since, victims):
@@ -39,12 +48,18 @@ def make_room(
 
 
 def order(
-    plan: Plan, spec: PoolSpec, used: bool, own_session: str | None = None
+    plan: Plan,
+    spec: PoolSpec,
+    used: bool,
+    own_session: str | None = None,
+    same_spec: bool = False,
 ) -> list[GroupView]:
     """The groups that may go for ``spec``, in the order they go."""
-    groups = [g for g in plan.groups.values() if not plan.is_new(g)]
+    groups = [g for g in plan.groups.values() if not plan.is_new(g) and not g.reserved_for]
     others = [g for g in groups if g.spec != spec]
-    if own_session is not None:
+    if same_spec:
+        others += [g for g in groups if g.spec == spec and g.state == "idle"]
+    elif own_session is not None:
         others += [
             g
             for g in groups

@@ -5,7 +5,9 @@ is starting and its oldest task has waited ``--scale-up-after`` since the pool c
 have served (a warm group clears a queue of fast tests in milliseconds, far sooner than a
 new group could start, so extra groups are for queues that stay long). A task that asked
 for groups of its own session (``own_groups``) whose spec has no group it may use and none
-starting gets one too.
+starting gets one too. A task that asked for a group started for it (``fresh_group``) gets
+one of its own whenever none is live for it, however many groups of its spec are idle: only
+that group may take it, and it takes no other task first (:mod:`.affinity`).
 
 Where there is no room, room is made, oldest queued spec first (:mod:`.eviction` says
 whom it stops); GPUs that other brokers hold are wanted from them (:mod:`.yielding`).
@@ -29,6 +31,10 @@ def step(plan: Plan) -> None:
             continue
         live = plan.live(spec)
         head = plan.pending[spec][0] if plan.pending.get(spec) else None
+        if head is not None and head.fresh_group:
+            if plan.reserved(head.key) is None:
+                start_fresh(plan, queue, head.key)
+            continue  # the spec's queue waits for the head's own group
         own = head.session if head is not None and head.own_groups else None
         if (
             own is not None
@@ -71,6 +77,21 @@ def start_for(plan: Plan, queue: QueueView, evict: bool, own_session: str | None
         plan.start(spec, gpus, spare=False, why=f"{plan.queued(spec)} task(s) queued", since=since)
         return
     eviction.make_room(plan, spec, since, used=evict, own_session=own_session)
+    if not plan.is_cpu(spec):
+        want_gpus(plan, spec, since)
+
+
+def start_fresh(plan: Plan, queue: QueueView, task: str) -> None:
+    """Start the group the task keyed ``task`` runs on alone, or make room for it: idle
+    groups of its own spec count as others (none of them may take it)."""
+    spec = queue.spec
+    since = plan.snapshot.wall - (plan.now - queue.oldest)
+    gpus = plan.fits(spec, since)
+    if gpus is not None:
+        why = "a fresh group for one task"
+        plan.start(spec, gpus, spare=False, why=why, since=since, for_task=task)
+        return
+    eviction.make_room(plan, spec, since, used=True, same_spec=True)
     if not plan.is_cpu(spec):
         want_gpus(plan, spec, since)
 

@@ -48,10 +48,27 @@ class Plan:
     # ---- looking
 
     def live(self, spec: PoolSpec) -> list[GroupView]:
-        return [g for g in self.groups.values() if g.spec == spec and g.state != "stopping"]
+        """The spec's groups that may serve its tasks (a group reserved for one task,
+        ``fresh_group``, serves no other: it is that task's alone, :meth:`reserved`)."""
+        return [
+            g
+            for g in self.groups.values()
+            if g.spec == spec and g.state != "stopping" and not g.reserved_for
+        ]
 
     def idle(self, spec: PoolSpec) -> list[GroupView]:
-        return [g for g in self.groups.values() if g.spec == spec and g.state == "idle"]
+        return [
+            g
+            for g in self.groups.values()
+            if g.spec == spec and g.state == "idle" and not g.reserved_for
+        ]
+
+    def reserved(self, task: str) -> GroupView | None:
+        """The live group started for the task keyed ``task`` (``fresh_group``), if any."""
+        for group in self.groups.values():
+            if group.reserved_for == task and group.state != "stopping":
+                return group
+        return None
 
     def queued(self, spec: PoolSpec) -> int:
         """Tasks of ``spec`` still waiting after the decisions so far."""
@@ -158,15 +175,21 @@ class Plan:
         self.depth[spec] -= 1
         sessions = group.sessions | {task.session}
         self.groups[group.id] = dataclasses.replace(
-            group, state="busy", spare=False, sessions=sessions, last_used=self.now
+            group, state="busy", spare=False, sessions=sessions, last_used=self.now, reserved_for=""
         )
 
     def start(
-        self, spec: PoolSpec, gpus: tuple[str, ...], spare: bool, why: str, since: float | None
+        self,
+        spec: PoolSpec,
+        gpus: tuple[str, ...],
+        spare: bool,
+        why: str,
+        since: float | None,
+        for_task: str = "",
     ) -> GroupView:
         self._starts += 1
         ref = f"+{self._starts}"
-        self.decisions.append(Start(spec, gpus, spare, why, since, ref))
+        self.decisions.append(Start(spec, gpus, spare, why, since, ref, for_task))
         cpu = self.is_cpu(spec)
         group = GroupView(
             ref,
@@ -177,6 +200,7 @@ class Plan:
             cpu=cpu,
             memory_mb=self.memory_need(spec) if cpu else 0.0,
             last_used=self.now,
+            reserved_for=for_task,
         )
         self.groups[ref] = group
         return group

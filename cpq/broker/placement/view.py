@@ -74,6 +74,8 @@ class GroupView:
     unfit: tuple[tuple[int, str], ...] = ()
     #: rank -> RSS grown since ready (MB), for ranks that reported a baseline.
     rss_growth_mb: tuple[tuple[int, float], ...] = ()
+    #: Started for this queued task (its key; ``Submit.fresh_group``): no other takes it.
+    reserved_for: str = ""
 
     @property
     def ranks(self) -> int:
@@ -92,6 +94,8 @@ class Queued:
     fresh: bool = False
     #: It asked for groups of its own session (``Submit.own_groups``).
     own_groups: bool = False
+    #: It runs only on a group started for it (``Submit.fresh_group``).
+    fresh_group: bool = False
 
 
 @dataclass(frozen=True)
