@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from cpq import protocol
-from cpq.client import combine, reruns, timeouts
+from cpq.client import combine, confirm, reruns, timeouts
 from cpq.client.report import BrokerGone, CpqTaskFailed, report_result
 from cpq.protocol import TaskResult
 
@@ -57,7 +57,8 @@ class Placement:
 class _Run:
     """One protocol run of an item on the ranks (a rerun plugin makes several)."""
 
-    submit: Callable[[dict[str, Any]], TaskResult]
+    #: Sends the test to the ranks (``fresh_group=True``: to a group started for it).
+    submit: Callable[..., TaskResult]
     #: Called with a failed verdict whose rank waits for a post-mortem (``--pdb``).
     debugger: Callable[[TaskResult], None]
     kwargs: dict[str, Any]
@@ -191,7 +192,7 @@ def prepare(
     nextitem: pytest.Item | None,
     session_key: str,
     setup: dict[str, Any],
-    submit: Callable[[dict[str, Any]], TaskResult],
+    submit: Callable[..., TaskResult],
     debugger: Callable[[TaskResult], None],
 ) -> None:
     """Make ``item``'s phases hollow for this protocol run (undone by :func:`restore`)."""
@@ -233,14 +234,18 @@ def _setup(item: pytest.Item) -> None:
     """The setup phase: the whole test runs on the ranks; raise what their setup ended in."""
     run = item.stash[RUN_KEY]
     run.phases, run.refused = {}, None
+    confirm.forget(item)
     try:
         run.result = result = run.submit(run.kwargs)
+        phases = _phases(item, run, result)
+        if phases is not None and confirm.wanted(item.config, result, _failed(phases)):
+            warm = confirm.warm_text(result, [r.longreprtext for r in phases.values() if r.failed])
+            run.result = result = run.submit(run.kwargs, fresh_group=True)
+            phases = _phases(item, run, result)
+            confirm.note(item, phases is None or _failed(phases), warm)
     except BrokerGone as exc:  # one line, in the call phase (a timeout's fails the setup)
         run.refused = exc
         return
-    if item.config.getoption("capture", "fd") == "no":
-        _stream_output(result)
-    phases = combine.phases(result, run.world_size, item.config)
     if phases is None:
         if result.phase == "setup":  # a deadline found the ranks in a fixture's setup
             _infra(item, result)
@@ -248,6 +253,16 @@ def _setup(item: pytest.Item) -> None:
     run.phases = phases
     _record_warnings(item, result)
     _raise_for(item, result, phases.get("setup"))
+
+
+def _phases(item: pytest.Item, run: _Run, result: TaskResult) -> dict[str, Any] | None:
+    if item.config.getoption("capture", "fd") == "no":
+        _stream_output(result)
+    return combine.phases(result, run.world_size, item.config)
+
+
+def _failed(phases: dict[str, pytest.TestReport]) -> bool:
+    return any(r.failed for r in phases.values())
 
 
 def _call(item: pytest.Item) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
-from cpq.client import items, launches, ordering, pdb_relay, reruns, timeouts
+from cpq.client import confirm, items, launches, ordering, pdb_relay, reruns, timeouts
 from cpq.client.items import Unusable
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
@@ -73,6 +73,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cpq_autostart", "start a broker when none runs", type="bool", default=True)
     reruns.add_options(parser, group)
     items.add_options(parser, group)
+    confirm.add_options(parser, group)
     launches.add_options(parser, group)
     ordering.add_options(parser, group)
     pdb_relay.add_options(group)
@@ -354,8 +355,16 @@ def pytest_runtest_protocol(
     session = item.config.stash[SESSION_KEY]
     key, setup = items.rank_setup(item.config, session.session_id)
 
-    def submit(kwargs: dict[str, Any]) -> TaskResult:
+    last: list[TaskResult] = []
+
+    def submit(kwargs: dict[str, Any], fresh_group: bool = False) -> TaskResult:
         left = timeouts.remaining(item)  # under pytest-timeout: what is left of it
+        if fresh_group and last and last[-1].debug_rank >= 0:
+            session.client.debug_release(last[-1].task_id)  # --pdb: the fresh run's instead
+        last.append(_submit(kwargs, fresh_group, left))
+        return last[-1]
+
+    def _submit(kwargs: dict[str, Any], fresh_group: bool, left: float | None) -> TaskResult:
         return session.submit(
             items.TARGET,
             where.world_size,
@@ -368,6 +377,7 @@ def pytest_runtest_protocol(
             debug=True,
             own_groups=_own_groups(item),
             send_rng=False,  # the ranks' own plugins and fixtures seed them
+            fresh_group=fresh_group,
         )
 
     def debugger(result: TaskResult) -> None:
@@ -418,10 +428,18 @@ def pytest_runtest_makereport(
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
         if ranks is not None or item.stash.get(OWN_TIME_KEY, False):  # no wait in durations
             report.user_properties.append((fanout.RANK_TIME_PROPERTY, True))
+    if call.when != "setup" or report.failed:
+        confirm.attach(item, report)  # the deciding phase and the teardown carry it
     location = item.stash.get(SKIP_LOCATION_KEY, None)
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
         report.longrepr = (location[0], location[1], report.longrepr[2])  # the body's skip
     return report
+
+
+def pytest_report_teststatus(
+    report: pytest.TestReport, config: pytest.Config
+) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
+    return confirm.teststatus(report)  # -v: "PASSED (failed warm, passed on a fresh group)"
 
 
 # --------------------------------------------------------------------------- fixture
@@ -456,8 +474,9 @@ class CpqRunner:
         world_size = world_size if world_size is not None else self._defaults[0]
         timeout = timeout if timeout is not None else self._defaults[1]
         env = env if env is not None else self._defaults[2]
-        try:
-            result = self._session.submit(
+
+        def submit(fresh_group: bool = False) -> TaskResult:
+            return self._session.submit(
                 target,
                 world_size,
                 kwargs,
@@ -467,7 +486,16 @@ class CpqRunner:
                 _affinity(self._item),
                 retries=reruns.retries_for(self._item, self._session.retries, timed=False),
                 own_groups=_own_groups(self._item),
+                fresh_group=fresh_group,
             )
+
+        try:
+            result = submit()
+            if confirm.wanted(self._item.config, result, result.outcome == "failed"):
+                failures = [r.error.traceback for r in result.failed_ranks if r.error]
+                warm = confirm.warm_text(result, failures)
+                result = submit(fresh_group=True)  # the verdict is the fresh run's
+                confirm.note(self._item, result.outcome in ("failed", "error"), warm)
         except protocol.EncodeError as exc:
             pytest.fail(str(exc), pytrace=False)
         report_result(self._item, result, target)
@@ -486,6 +514,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand the stats to the controller
         workeroutput["cpq"] = session.config.stash[SESSION_KEY].stats.to_wire()
+        workeroutput[confirm.WORKER_KEY] = confirm.to_wire(session.config)
 
 
 class _XdistController:
@@ -493,9 +522,11 @@ class _XdistController:
         self.config = config
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        data = getattr(node, "workeroutput", {}).get("cpq")
+        output = getattr(node, "workeroutput", {})
+        data = output.get("cpq")
         if data:
             self.config.stash[SESSION_KEY].stats.merge(data)
+        confirm.merge(self.config, output.get(confirm.WORKER_KEY))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -506,7 +537,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     retries = f"{stats.retries} retr{'y' if stats.retries == 1 else 'ies'}"
     line = f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {retries}"
     line += f"; {stats.spawn_wait_s:.1f}s waiting for groups to start (measured by the broker)"
-    terminalreporter.write_sep("-", line)
+    confirmed, tests = confirm.summary(config)
+    terminalreporter.write_sep("-", line + confirmed)
+    for test in tests:
+        terminalreporter.write_line(test)
 
 
 __all__ = ["CpqRunner", "CpqTaskFailed", "cpq"]

@@ -234,6 +234,7 @@ class CpqSession:
         debug: bool = False,
         own_groups: bool = False,
         send_rng: bool = True,
+        fresh_group: bool = False,
     ) -> TaskResult:
         from cpq.client.api import BrokerUnavailable
 
@@ -260,6 +261,7 @@ class CpqSession:
                     # Measured: only groups whose imports this session measured (a module
                     # another session's task imported would lose its import-time lines).
                     own_groups=own_groups or self.own_groups or cov is not None,
+                    fresh_group=fresh_group,
                 )
             except BrokerUnavailable as exc:
                 self.broker_gone = f"cpq: {exc}"
