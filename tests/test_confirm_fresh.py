@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -162,8 +163,10 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
     # The warm failure is attached (-rA shows a passed test's sections), with its group.
     assert f"cpq: {WARM_ONLY}; the warm failure" in out
     section = out[out.index(f"cpq: {WARM_ONLY}; the warm failure") :][:1500]
-    assert "assert [1] == []" in section and "which had served tasks before" in section, section
-    assert "left by an earlier test: [1]" in out  # the fixture style's warm failure
+    # (the list holds at least A's item: the warm group may have served the run above too)
+    assert re.search(r"assert \[1(, 1)*\] == \[\]", section), section
+    assert "which had served tasks before" in section, section
+    assert "left by an earlier test: [1" in out  # the fixture style's warm failure
     # A test that passed warm, or failed on its group's first task, is not rerun.
     assert "test_a_leaves_state PASSED\n" in out or "test_a_leaves_state PASSED " in out
     labels = {

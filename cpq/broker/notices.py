@@ -30,17 +30,23 @@ def due(
         if client is None or "task-waiting" not in client.features():
             continue
         own = session_of(task) if task.submit.own_groups else None
-        text = why(task.spec, pools, tasks.queues.depth(task.spec), own)
+        text = why(task.spec, pools, tasks.queues.depth(task.spec), own, task.submit.fresh_group)
         out.append((task.client, protocol.Waiting(task.submit.task_id, text)))
     return out
 
 
-def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = None) -> str:
+def why(
+    spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = None, fresh: bool = False
+) -> str:
     """``waiting for a ws2/gloo group (3fa2c1): 2 busy; 0 of 6 CPU ranks free; ...``
 
     For a task that wants groups of its own session (``own_session``), idle groups that
-    served other sessions are named too: they are why it waits while groups look idle."""
+    served other sessions are named too: they are why it waits while groups look idle. A
+    task that runs only on a group started for it (``fresh``) waits for that one."""
     live = pools.live(spec)
+    if fresh:
+        live = [g for g in live if g.state != "idle"]
+        own_session = None
     states = [g.state for g in live]
     counts = ", ".join(f"{states.count(s)} {s}" for s in ("busy", "starting") if s in states)
     idle = sum(g.state == "idle" and own_session is None for g in live)
@@ -72,4 +78,6 @@ def why(spec: PoolSpec, pools: Pools, queued: int, own_session: str | None = Non
     others = queued - 1
     besides = f"{others} other task(s) of this spec queued" if others else "none queued besides"
     group = f"a {spec.label()} group ({spec.digest()})"
+    if fresh:
+        group = f"a fresh {spec.label()} group ({spec.digest()}) started for it"
     return f"waiting for {group}: {counts or 'none yet'}; {text}; {besides}"
