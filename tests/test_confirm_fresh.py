@@ -6,7 +6,9 @@ The suite: test A appends to a list in the project's own module; test B, run nex
 same session on the group A used, expects it empty (it fails only warm); test C fails
 always; D passes. The same with the ``cpq`` fixture: E appends through ``cpq.run``, F checks
 through ``cpq.run``. Without the option B and F fail (what the option is for); with it, every
-verdict is the fresh run's and the labels say which failures were warm only.
+verdict is the fresh run's and the labels say which failures were warm only. Under xdist
+and a rerun plugin the verdicts stay the fresh run's and the workers' counts reach the
+controller's summary.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     out = os.environ.get("VERDICTS_OUT")
     if out:
-        with open(f"{out}-{os.environ.get('RANK', 'client')}.json", "w") as handle:
+        who = os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("RANK", "client")
+        with open(f"{out}-{who}.json", "w") as handle:
             json.dump(outcomes, handle)
 """
 
@@ -180,3 +183,40 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
         "test_c_always_fails": BOTH,
         "test_f_expects_it_empty": WARM_ONLY,
     }
+
+
+def test_under_xdist_and_a_rerun_plugin_the_verdicts_stay_fresh(project: Path) -> None:
+    """Each worker confirms its own tests; every protocol run pytest-rerunfailures makes is
+    confirmed alike; the controller's summary counts what the workers' lines list."""
+    args = ["--cpq-world-size", "1", "--cpq-confirm-fresh", "-n", "2", "--dist", "loadfile"]
+    args += ["--reruns", "1", "-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    run = _run(
+        [sys.executable, "-m", "pytest", *args, "test_state.py", "test_fixture.py"],
+        project / "xdist",
+        project,
+    )
+    out = run.stdout
+    got = _verdicts(project / "xdist")
+    assert got == {
+        "test_state.py::test_a_leaves_state": "passed",
+        "test_state.py::test_b_expects_it_empty": "passed",
+        "test_state.py::test_c_always_fails": "failed",
+        "test_state.py::test_d_passes": "passed",
+        "test_fixture.py::test_e_leaves_state": "passed",
+        "test_fixture.py::test_f_expects_it_empty": "passed",
+    }, out[-5000:]
+    assert "1 failed, 5 passed, 1 rerun" in out, out[-3000:]
+    listed = {
+        label: re.findall(f"^cpq: {re.escape(label)}: (\\S+)$", out, re.M)
+        for label in (WARM_ONLY, BOTH)
+    }
+    words = re.search(r"confirmed fresh: (\d+) [^,]+, (\d+) failed fresh too", out)
+    assert words is not None, out[-3000:]
+    assert [int(words[1]), int(words[2])] == [len(listed[WARM_ONLY]), len(listed[BOTH])]
+    # Which group each test lands on depends on the two workers' timing; what holds: C is
+    # confirmed at most once per run (two runs) and never passes fresh, only B and F can.
+    c = "test_state.py::test_c_always_fails"
+    b = "test_state.py::test_b_expects_it_empty"
+    f = "test_fixture.py::test_f_expects_it_empty"
+    assert set(listed[BOTH]) <= {c} and len(listed[BOTH]) <= 2, out[-3000:]
+    assert set(listed[WARM_ONLY]) <= {b, f}, out[-3000:]
