@@ -190,3 +190,62 @@ def test_a_client_refuses_fresh_group_from_a_broker_without_the_feature() -> Non
     assert "fresh_group" not in wire  # an older broker could not even decode it
     done = protocol.Done(protocol.TaskResult(task_id="t", outcome="passed", on_fresh_group=True))
     assert "on_fresh_group" not in protocol.unpack(protocol.encode_for(done, old))["result"]
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class FakeConfig:
+    """What :mod:`cpq.client.confirm` reads of a ``pytest.Config``."""
+
+    def __init__(self, option: bool = False, ini: bool = False) -> None:
+        self.stash = pytest.Stash()
+        self._option, self._ini = option, ini
+
+    def getoption(self, name: str, default: object = None) -> object:
+        return self._option
+
+    def getini(self, name: str) -> object:
+        return self._ini
+
+
+def test_the_option_then_the_variable_then_the_ini(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpq.client import confirm
+
+    monkeypatch.delenv(confirm.CONFIRM_VAR, raising=False)
+    assert confirm.enabled(FakeConfig(option=True))  # type: ignore[arg-type]
+    assert confirm.enabled(FakeConfig(ini=True))  # type: ignore[arg-type]
+    assert not confirm.enabled(FakeConfig())  # type: ignore[arg-type]
+    monkeypatch.setenv(confirm.CONFIRM_VAR, "0")
+    assert not confirm.enabled(FakeConfig(ini=True))  # type: ignore[arg-type]
+    monkeypatch.setenv(confirm.CONFIRM_VAR, "1")
+    assert confirm.enabled(FakeConfig())  # type: ignore[arg-type]
+    warm = protocol.TaskResult(task_id="t", outcome="failed")
+    on_first = protocol.TaskResult(task_id="t", outcome="failed", on_fresh_group=True)
+    assert confirm.wanted(FakeConfig(), warm, failed=True)  # type: ignore[arg-type]
+    assert not confirm.wanted(FakeConfig(), warm, failed=False)  # type: ignore[arg-type]
+    assert not confirm.wanted(FakeConfig(), on_first, failed=True)  # type: ignore[arg-type]
+
+
+def test_workers_confirmations_reach_the_controllers_summary() -> None:
+    from cpq.client import confirm
+
+    class Item:
+        def __init__(self, config: FakeConfig, nodeid: str) -> None:
+            self.config, self.nodeid, self.stash = config, nodeid, pytest.Stash()
+
+    controller, one, two = FakeConfig(), FakeConfig(), FakeConfig()
+    assert confirm.summary(controller) == ("", [])  # type: ignore[arg-type]
+    confirm.note(Item(one, "t.py::b"), fresh_failed=False, warm="w")  # type: ignore[arg-type]
+    confirm.note(Item(two, "t.py::c"), fresh_failed=True, warm="w")  # type: ignore[arg-type]
+    confirm.note(Item(two, "t.py::f"), fresh_failed=False, warm="w")  # type: ignore[arg-type]
+    for worker in (one, two):
+        confirm.merge(controller, confirm.to_wire(worker))  # type: ignore[arg-type]
+    confirm.merge(controller, {"not a label": ["x"]})  # type: ignore[arg-type]
+    words, lines = confirm.summary(controller)  # type: ignore[arg-type]
+    assert words == f"; confirmed fresh: 2 {confirm.PASSED_FRESH}, 1 {confirm.FAILED_FRESH}"
+    assert lines == [
+        f"cpq: {confirm.PASSED_FRESH}: t.py::b",
+        f"cpq: {confirm.PASSED_FRESH}: t.py::f",
+        f"cpq: {confirm.FAILED_FRESH}: t.py::c",
+    ]
