@@ -25,9 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
-import site
 import sys
-import sysconfig
 import tempfile
 import threading
 import traceback
@@ -70,7 +68,6 @@ def run_script(
         }
     )
     threads_before = set(threading.enumerate())
-    modules_before = set(sys.modules)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = list(argv)
     if local_rank_arg:
@@ -96,7 +93,6 @@ def run_script(
         finally:
             sys.argv = saved_argv
             sys.path[:] = saved_path
-            _forget_user_modules(modules_before)
     pgroups.caller_done(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
     leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
@@ -128,27 +124,6 @@ def _exit_raises() -> Iterator[None]:
         yield
     finally:
         os._exit = real
-
-
-def _library_prefixes() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    found = {sys.prefix, sys.base_prefix, paths["stdlib"], paths["purelib"], paths["platlib"]}
-    found.update(site.getsitepackages())
-    return tuple(os.path.realpath(p) + os.sep for p in found if p)
-
-
-def _forget_user_modules(before: set[str]) -> None:
-    """Drop the modules the script imported from the user's folders (its own ``utils``, its
-    package): the next launch, from another folder maybe, imports its own, as a fresh
-    worker would. Libraries stay loaded: that is the warmth."""
-    libraries = _library_prefixes()
-    for name in set(sys.modules) - before:
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if not isinstance(path, str):
-            continue
-        real = os.path.realpath(path)
-        if not real.startswith(libraries) and not real.startswith(CPQ_DIR):
-            del sys.modules[name]
 
 
 def _script_tb(exc: BaseException) -> Any:
