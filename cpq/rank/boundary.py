@@ -45,6 +45,7 @@ torch; ``tools/bench_torchrun.py`` measures launches).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import logging
 import os
@@ -196,7 +197,7 @@ def _candidates(ready: _Ready) -> tuple[dict[str, list[str]], dict[str, str], li
     families: dict[str, list[str]] = {}
     kept: dict[str, str] = {}
     staying: list[str] = []
-    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    stdlib: frozenset[str] = getattr(sys, "stdlib_module_names", frozenset())
     for name in list(sys.modules):
         if name in ready.modules:
             continue
@@ -253,12 +254,13 @@ def _referenced_families(names: Iterable[str], families: dict[str, list[str]]) -
         if not isinstance(namespace, dict):
             continue
         for value in list(namespace.values()):
-            if isinstance(value, types.ModuleType):
-                owner = value.__name__
-            else:
-                owner = getattr(value, "__module__", None)
-                if not isinstance(owner, str):
-                    continue
+            owner: Any = (
+                value.__name__
+                if isinstance(value, types.ModuleType)
+                else getattr(value, "__module__", None)
+            )
+            if not isinstance(owner, str):
+                continue
             top = owner.partition(".")[0]
             if top in families:
                 found.add(top)
@@ -351,7 +353,7 @@ def _restore(ready: _Ready) -> None:
         if hook not in ready.meta_path and _owner_top(hook) in HARNESS:
             sys.meta_path.remove(hook)  # pytest's assertion rewriter of a finished session
     if warnings.filters != ready.filters:
-        warnings.filters[:] = ready.filters
+        warnings.filters[:] = ready.filters  # type: ignore[index]
         mutated = getattr(warnings, "_filters_mutated", None)
         if mutated is not None:
             mutated()
@@ -363,10 +365,8 @@ def _restore(ready: _Ready) -> None:
     if threading.current_thread() is threading.main_thread():
         for number, handler in ready.signals.items():
             if handler is not None and signal.getsignal(number) is not handler:
-                try:
+                with contextlib.suppress(OSError, ValueError, TypeError):
                     signal.signal(number, handler)
-                except (OSError, ValueError, TypeError):
-                    pass
 
 
 def _owner_top(hook: Any) -> str:

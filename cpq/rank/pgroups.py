@@ -62,11 +62,12 @@ def install() -> None:
 
     @functools.wraps(real_init)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-        global _hidden
+        global _hidden, script_initialised
         if not real_is_initialized():
             real_init(backend, *args, **kwargs)
             return
         _hidden = False  # the script's own group is the warm one from now on
+        script_initialised = _in_script
         asked = str(backend or kwargs.get("backend") or "").lower()
         have = str(c10d.get_backend()).lower()
         if asked and asked not in have and not (asked == "cpu:gloo,cuda:nccl"):
@@ -160,15 +161,22 @@ def _bind(device: Any) -> None:
         log.warning("could not bind the warm process group to %s", device)
 
 
+_in_script = False
+#: The launched script called ``init_process_group`` (its uncaught exception's lines then
+#: carry torch's ``[rank<r>]: `` prefix).
+script_initialised = False
+
+
 @contextlib.contextmanager
 def as_fresh_worker() -> Iterator[None]:
     """While a launched script runs: ``is_initialized()`` is False until it initialises."""
-    global _hidden
-    _hidden = True
+    global _hidden, _in_script, script_initialised
+    _hidden = _in_script = True
+    script_initialised = False
     try:
         yield
     finally:
-        _hidden = False
+        _hidden = _in_script = False
 
 
 def made_groups() -> list[Any]:
@@ -191,3 +199,29 @@ def destroy_made(before: set[int]) -> None:
                 real_destroy(pg)
             except Exception:
                 log.exception("destroying a process group a test made failed")
+
+
+def close_as_dead_worker() -> None:
+    """Close every process group of this rank, the warm one too, as the connections of a
+    worker whose process ended close: a peer waiting in a collective on this rank (a barrier
+    after this rank's script raised) then gets gloo's "Connection closed by peer", as under
+    torchrun, instead of waiting for the deadline. gloo closes its sockets only when the
+    last reference to the group goes, hence the collection. The rank cannot serve again
+    (its caller makes it unfit). NCCL peers inside a kernel do not wake: the broker's
+    failure grace ends them (docs/design.md, "Warm torchrun launches")."""
+    global _warm
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+
+    real_destroy = getattr(c10d.destroy_process_group, "__wrapped__", c10d.destroy_process_group)
+    for pg in made_groups():
+        with contextlib.suppress(Exception):
+            real_destroy(pg)
+    _warm = None
+    if c10d.GroupMember.WORLD is not None:
+        try:
+            real_destroy()
+        except Exception:
+            log.exception("closing the warm process group failed")
+    gc.collect()
