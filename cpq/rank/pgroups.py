@@ -225,3 +225,48 @@ def close_as_dead_worker() -> None:
         except Exception:
             log.exception("closing the warm process group failed")
     gc.collect()
+
+
+#: Launches this rank ran: every rank of a group runs the same ones in the same order, so
+#: the count names one launch in the warm group's store.
+_launches = 0
+#: How long a failed rank waits for its peers to end their script before it closes its
+#: groups (a peer waiting for it in a collective never ends).
+PEER_WAIT_S = 0.5
+
+
+def launch_ended(failed: bool, nproc: int) -> bool:
+    """Say in the warm group's store that this rank's script ended; for a failed one, wait
+    up to :data:`PEER_WAIT_S` for every peer's. True when the rank must close its groups as
+    a dead worker's (:func:`close_as_dead_worker`): a peer has not ended (it may wait for
+    this rank in a collective) or the ranks ended after different numbers of collectives
+    (one left a message the next launch would read). A launch where every rank ended in
+    step keeps its group warm, failed or not."""
+    global _launches
+    import time
+
+    from torch.distributed import distributed_c10d as c10d
+
+    _launches += 1
+    if _warm is None or nproc < 2:
+        return False
+    try:
+        store = c10d._get_default_store()
+        prefix = f"cpq/launch/{_launches}"
+        rank = c10d.get_rank(_warm)
+        sequence = int(getattr(_warm, "_get_sequence_number_for_group")())  # noqa: B009
+        store.set(f"{prefix}/seq/{rank}", str(sequence))
+        ended = int(store.add(f"{prefix}/ended", 1))
+        if not failed:
+            return False
+        deadline = time.monotonic() + PEER_WAIT_S
+        while ended < nproc and time.monotonic() < deadline:
+            time.sleep(0.01)
+            ended = int(store.add(f"{prefix}/ended", 0))
+        if ended < nproc:
+            return True
+        sequences = {store.get(f"{prefix}/seq/{r}") for r in range(nproc)}
+        return len(sequences) != 1
+    except Exception:  # a store that fails: the safe side
+        log.exception("reading the launch's end from the store failed")
+        return failed

@@ -101,7 +101,7 @@ def run_script(
     pgroups.caller_done(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
     leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
-    if code != 0 and nproc > 1:
+    if pgroups.launch_ended(code != 0, nproc):
         # A failed worker's process ends and its connections close: peers waiting for it
         # in a collective fail at once with their own traceback, as under torchrun.
         pgroups.close_as_dead_worker()
