@@ -166,10 +166,11 @@ class Routing:
         for name in ("PATH", "PYTHONPATH"):
             before = os.environ.get(name, "")
             os.environ[name] = self.folder + (os.pathsep + before if before else "")
-<<<<<<< HEAD
         self.waits = os.path.join(self.folder, f"waits-{os.getpid()}-{id(self):x}.jsonl")
         os.environ[WAITS_VAR] = self.waits  # a task variable: no part of any spec
         self.offset = 0
+        # accelerate launch in this process imports torch.distributed.run during the test
+        self.hook = route_on_import()
 
     def fold(self, waits: dict[str, float], groups: set[str]) -> float:
         """Add the launches' waits reported since the last call to ``waits`` (by test id)
@@ -193,10 +194,6 @@ class Routing:
             groups.update(str(g) for g in record.get("groups") or [])
             added += wait
         return added
-=======
-        # accelerate launch in this process imports torch.distributed.run during the test
-        self.hook = route_on_import()
->>>>>>> 930e484 (Launches as torchrun gives them: a failed rank closes its process groups (peers in a collective fail with their own traceback), [rankN]: prefixes, absolute __file__, -m's runpy frames, ChildFailedError's summary; torch.distributed.run.run routed whatever master address/port, on import too (accelerate launch in process and as a subprocess), the real run said with its reason)
 
     def close(self) -> None:
         if self.hook in sys.meta_path:
