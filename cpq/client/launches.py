@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from cpq import paths
+from cpq import environ, paths
 from cpq.client.torchrun import route_in_process, route_on_import, run_argv
 
 __all__ = ["Routing", "add_options", "enabled", "route_in_process", "run_argv"]
@@ -158,7 +158,8 @@ class Routing:
 
     def __init__(self) -> None:
         digest = hashlib.sha256(sys.executable.encode()).hexdigest()[:8]
-        self.folder = str(paths.state_dir() / f"torchrun-route-{digest}")
+        # its name tells specs to leave it out (environ.fold_paths)
+        self.folder = str(paths.state_dir() / f"{environ.ROUTE_FOLDER_PREFIX}{digest}")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         _write(os.path.join(self.folder, "torchrun"), _SHIM.format(python=sys.executable), 0o755)
         _write(os.path.join(self.folder, "sitecustomize.py"), _HOOK.replace("{real}", REAL_VAR))
