@@ -39,34 +39,27 @@ from typing import Any
 import pytest
 
 from cpq import environ, paths
-from cpq.client.torchrun import route_in_process, route_on_import, run_argv
+from cpq.client.torchrun import (
+    WAITS_VAR,
+    report_wait,
+    route_in_process,
+    route_on_import,
+    run_argv,
+)
 
-__all__ = ["Routing", "add_options", "enabled", "route_in_process", "run_argv"]
+__all__ = [
+    "WAITS_VAR",
+    "Routing",
+    "add_options",
+    "enabled",
+    "report_wait",
+    "route_in_process",
+    "run_argv",
+]
 
 ENV_VAR = "CPQ_TORCHRUN"
 #: Set for a launch cpq hands to the real torchrun: the start-up hook leaves it alone.
 REAL_VAR = "CPQ_TORCHRUN_REAL"
-#: The file each launch appends its measured wait for a group to (one JSON line).
-WAITS_VAR = "CPQ_LAUNCH_WAITS"
-
-
-def report_wait(wait_s: float | None, groups: list[str]) -> None:
-    """In ``cpq torchrun``: append this launch's wait and groups for the session that routed
-    it (nothing outside a routed pytest test, or from a broker that did not measure it)."""
-    path, test = os.environ.get(WAITS_VAR), os.environ.get("PYTEST_CURRENT_TEST", "")
-    if not path or not test or wait_s is None:
-        return
-    line = json.dumps({"test": test.rsplit(" (", 1)[0], "wait_s": wait_s, "groups": groups})
-    try:  # one write of one line, appended: launches of xdist workers do not interleave
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # the test's time then holds the wait, as before
-
-
 _SHIM = """#!/bin/sh
 # cpq (pytest --cpq-torchrun): this launch runs on a warm group
 exec {python} -m cpq torchrun "$@"
