@@ -291,7 +291,7 @@ _ERRORS_DOC = "To enable traceback see: https://pytorch.org/docs/stable/elastic/
 def failure_summary(script: str, failed: list[Any], now: float | None = None) -> str:
     """torchrun's ``ChildFailedError`` line and block for the failed ranks (reports with
     ``rank``, ``value`` (exit code), ``duration_s``, ``error``): the first to fail is the
-    root cause, its time estimated from the ranks' durations."""
+    root cause, by the time each rank's script ended (``exit code N (pid: P, at T)``)."""
     import datetime
     import re
     import socket
@@ -301,12 +301,18 @@ def failure_summary(script: str, failed: list[Any], now: float | None = None) ->
     slowest = max(r.duration_s for r in failed)
     host = socket.getfqdn()
     blocks: dict[int, str] = {}
+
+    def ended(rank: Any) -> float:
+        """When the rank's script ended (the rank says; else estimated from durations)."""
+        found = re.search(r"at ([0-9.]+)\)", getattr(rank.error, "message", "") or "")
+        return float(found.group(1)) if found else now - (slowest - rank.duration_s)
+
     # In the order the ranks failed (torchrun's agent lists them as it observes them).
-    ordered = sorted(failed, key=lambda r: (r.duration_s, r.rank))
+    ordered = sorted(failed, key=lambda r: (ended(r), r.rank))
     for idx, rank in enumerate(ordered):
         code = rank.value if isinstance(rank.value, int) else 1
         found = re.search(r"pid: (\d+)", getattr(rank.error, "message", "") or "")
-        stamp = int(now - (slowest - rank.duration_s))
+        stamp = int(ended(rank))
         when = datetime.datetime.fromtimestamp(stamp).isoformat(sep="_")
         blocks[rank.rank] = "\n".join(
             [

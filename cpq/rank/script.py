@@ -30,6 +30,7 @@ import runpy
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import types
 from collections.abc import Iterator
@@ -98,6 +99,7 @@ def run_script(
         finally:
             sys.argv = saved_argv
             sys.path[:] = saved_path
+    ended = time.time()  # when a worker process would have exited (the failure's time)
     pgroups.caller_done(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
     leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
@@ -108,7 +110,7 @@ def run_script(
         leftover = f"its script exited {code}: its process groups were closed"
     if code == 0:
         return ItemRun("passed", value=0)
-    line = f"exit code {code} (pid: {os.getpid()})"
+    line = f"exit code {code} (pid: {os.getpid()}, at {ended:.3f})"
     return ItemRun("failed", error=("SystemExit", line, text[-8000:]), value=code)
 
 
