@@ -95,13 +95,32 @@ def split(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     for name, value in environ.items():
         kind = _kind(name, extra)
         if kind == _START:
-            start[name] = value
+            start[name] = fold_paths(value) if name.endswith("PATH") else value
         elif kind == _TASK:
             task[name] = value
     return start, task
 
 
 _LAUNCHER, _START, _TASK = range(3)
+
+#: The folder ``pytest --cpq-torchrun`` puts in front of ``PYTHONPATH`` (and ``PATH``) is
+#: named ``<state>/torchrun-route-<digest>``: it holds only cpq's start-up hook and
+#: ``torchrun`` shim, which change nothing in a rank, so it is no part of a spec.
+ROUTE_FOLDER_PREFIX = "torchrun-route-"
+
+
+def is_route_folder(entry: str) -> bool:
+    return os.path.basename(entry.rstrip(os.sep)).startswith(ROUTE_FOLDER_PREFIX)
+
+
+@functools.lru_cache(maxsize=256)
+def fold_paths(value: str) -> str:
+    """A path list (``PYTHONPATH``, ``LD_LIBRARY_PATH``) as a spec keeps it: each entry once
+    (the first wins, as in a search), without cpq's routing folder. A shell, a serial pytest
+    session and xdist workers (which put the routing folder in twice) then share groups:
+    a second copy of an entry finds nothing the first did not."""
+    entries = [e for e in value.split(os.pathsep) if not is_route_folder(e)]
+    return os.pathsep.join(dict.fromkeys(entries))
 
 
 @functools.lru_cache(maxsize=4096)

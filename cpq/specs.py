@@ -24,7 +24,9 @@ class BadRequest(ValueError):
 def default_roots() -> list[str]:
     """Import roots a plain client sends: its working directory and ``PYTHONPATH``."""
     roots = [os.getcwd()]
-    roots += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and not environ.is_route_folder(entry):  # cpq's own (environ.fold_paths)
+            roots.append(os.path.abspath(entry))
     return list(dict.fromkeys(roots))
 
 

@@ -87,6 +87,7 @@ def pytest_configure(config: pytest.Config) -> None:
 #: workers, a test file each (``tools/test.sh``), one long file left for the end keeps one
 #: worker busy alone while the other has nothing left.
 LONGEST_FIRST = (
+    "test_accelerate.py",
     "test_warm_torchrun.py",
     "test_fidelity.py",
     "fanout/test_slurm.py",

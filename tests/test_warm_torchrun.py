@@ -249,9 +249,12 @@ def test_cpq_torchrun_from_a_shell_matches_torchrun(project: Path, tmp_path: Pat
     real, warm = both("--nproc-per-node", "2", "train.py", "OUT", "--raise")
     assert real.returncode == warm.returncode == 1
     assert lines(real.stdout) == lines(warm.stdout)
-    # the rank's own traceback as the interpreter prints it, the script's frame first
-    trace = re.compile(r'Traceback \(most recent call last\):\n  File "train.py"')
-    assert trace.search(warm.stderr), warm.stderr
+    # the rank's own traceback as a torchrun worker prints it: the script's frame first, its
+    # path absolute, each line prefixed by torch's excepthook (the script initialised)
+    trace = re.compile(r'\[rank0\]: Traceback \(most recent call last\):\n\[rank0\]:   File "(.*)"')
+    found = trace.search(warm.stderr)
+    assert found and found.group(1) == str(project / "train.py"), warm.stderr
+    assert trace.search(real.stderr), real.stderr
     assert "train.py FAILED" in real.stderr and "train.py FAILED" in warm.stderr
     real, warm = both("--nproc-per-node", "2", "--tee", "3", "train.py", "OUT")
     assert real.returncode == warm.returncode == 0

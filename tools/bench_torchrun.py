@@ -11,6 +11,9 @@ last, on each rank), so what a launch costs beyond the script's own work is
         [--script PATH]   # another script (it must print SCRIPT_S <seconds>)
         [--suite N]       # also: a pytest suite of N tests that each launch the script,
                           # plain against --cpq-torchrun (cold, then warm), one run each
+        [--accelerate]    # only: accelerate 1.15's own distributed test scripts launched
+                          # per test as accelerate's tests do (and one failing on rank 1),
+                          # plain against --cpq-torchrun cold and twice warm (issue 37)
 """
 
 from __future__ import annotations
@@ -97,6 +100,66 @@ def suite_walls(n: int, nproc: int, script: Path, work: Path, env: dict[str, str
     return rows
 
 
+ACCELERATE_SUITE = """
+import os
+
+import pytest
+from accelerate.test_utils import execute_subprocess_async, path_in_accelerate_package
+
+SCRIPTS = ["test_script", "test_sync", "test_ops", "test_cli", "test_ddp_comm_hook",
+           "test_merge_weights"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_accelerate_script(name):
+    script = path_in_accelerate_package("test_utils", "scripts", f"{name}.py")
+    execute_subprocess_async(["torchrun", "--nproc-per-node", "2", str(script)],
+                             env=os.environ.copy())
+
+
+def test_fails_on_rank_one():
+    execute_subprocess_async(["torchrun", "--nproc-per-node", "2", "fail_rank1.py"],
+                             env=os.environ.copy())
+"""
+
+FAIL_RANK1 = """
+from accelerate import PartialState
+
+state = PartialState(cpu=True)
+if state.process_index == 1:
+    raise RuntimeError("rank one fails on purpose")
+state.wait_for_everyone()
+"""
+
+
+def accelerate_walls(work: Path, env: dict[str, str]) -> list[str]:
+    """accelerate's scripts per test: plain, then --cpq-torchrun cold and twice warm; the
+    verdicts must agree (each session's line of outcomes is printed)."""
+    project = work / "accelerate"
+    (project / "bin").mkdir(parents=True)
+    (project / "test_accelerate_scripts.py").write_text(ACCELERATE_SUITE)
+    (project / "fail_rank1.py").write_text(FAIL_RANK1)
+    torchrun = project / "bin" / "torchrun"  # this interpreter's, whatever PATH holds
+    torchrun.write_text(f'#!/bin/sh\nexec {sys.executable} -m torch.distributed.run "$@"\n')
+    torchrun.chmod(0o755)
+    env = dict(env, ACCELERATE_USE_CPU="true", PATH=f"{project / 'bin'}:{env['PATH']}")
+    rows, plain = [], 0.0
+    for name, extra in (
+        ("plain", []),
+        ("--cpq-torchrun, cold", ["--cpq-torchrun"]),
+        ("--cpq-torchrun, warm 1", ["--cpq-torchrun"]),
+        ("--cpq-torchrun, warm 2", ["--cpq-torchrun"]),
+    ):
+        command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *extra]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        plain = plain or wall
+        verdicts = done.stdout.strip().splitlines()[-1]
+        rows.append(f"| {name} | {wall:.1f} | {wall / plain:.2f} | {verdicts} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--launches", type=int, default=10)
@@ -104,8 +167,20 @@ def main() -> None:
     parser.add_argument("--gpus", default="none")
     parser.add_argument("--script", type=Path, default=None)
     parser.add_argument("--suite", type=int, default=0)
+    parser.add_argument("--accelerate", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))
+    if args.accelerate:
+        broker = PrivateBroker(work / "state", work / "logs", "none", child_env())
+        try:
+            rows = accelerate_walls(work, dict(broker.env, CPQ_AUTOSTART="0"))
+        finally:
+            broker.stop()
+        print("accelerate 1.15's scripts, one test each (ws=2, CPU, gloo):")
+        print("| session | wall (s) | of plain | verdicts |")
+        print("| --- | --- | --- | --- |")
+        print("\n".join(rows))
+        return
     script = args.script.resolve() if args.script else work / "script.py"
     if args.script is None:
         script.write_text(SCRIPT)

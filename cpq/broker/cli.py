@@ -96,6 +96,14 @@ def _broker_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "group became ready (0: never)",
     )
     parser.add_argument(
+        "--idle-release",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="stop an idle group beyond its spec's most recently used one after S seconds "
+        "unused (default 900; 0: never)",
+    )
+    parser.add_argument(
         "--timings-file",
         type=Path,
         help="append every finished task here as a JSON line "
@@ -249,6 +257,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         adaptive_k=args.adaptive_k,
         adaptive_floor_s=args.adaptive_floor,
         max_rss_growth_mb=args.max_rss_growth,
+        idle_release_s=args.idle_release,
         spares=args.spares,
         spare_window_s=args.spare_window,
         memory_mb=memory_mb,

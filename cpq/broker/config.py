@@ -76,6 +76,8 @@ class BrokerConfig:
     adaptive_floor_s: float = 30.0
     #: Recycle a group after a task once a rank's RSS grew this much since ready (0: never).
     max_rss_growth_mb: float = 0.0
+    #: Idle groups beyond each spec's most recently used one go after this long (0: never).
+    idle_release_s: float = 900.0
     #: Clean spare groups kept per recently used spec (``--spares``, 0 or 1; see
     #: :mod:`cpq.broker.placement.spares`), and how recently a spec must have run a task to
     #: keep one.

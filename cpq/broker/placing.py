@@ -58,6 +58,7 @@ class Placer:
             config.scale_up_after_s,
             config.max_tasks_per_group,
             config.max_rss_growth_mb,
+            config.idle_release_s,
         )
         return Snapshot(
             now=now,

@@ -33,38 +33,33 @@ import contextlib
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 
-from cpq import paths
+from cpq import environ, paths
+from cpq.client.torchrun import (
+    WAITS_VAR,
+    report_wait,
+    route_in_process,
+    route_on_import,
+    run_argv,
+)
+
+__all__ = [
+    "WAITS_VAR",
+    "Routing",
+    "add_options",
+    "enabled",
+    "report_wait",
+    "route_in_process",
+    "run_argv",
+]
 
 ENV_VAR = "CPQ_TORCHRUN"
 #: Set for a launch cpq hands to the real torchrun: the start-up hook leaves it alone.
 REAL_VAR = "CPQ_TORCHRUN_REAL"
-#: The file each launch appends its measured wait for a group to (one JSON line).
-WAITS_VAR = "CPQ_LAUNCH_WAITS"
-
-
-def report_wait(wait_s: float | None, groups: list[str]) -> None:
-    """In ``cpq torchrun``: append this launch's wait and groups for the session that routed
-    it (nothing outside a routed pytest test, or from a broker that did not measure it)."""
-    path, test = os.environ.get(WAITS_VAR), os.environ.get("PYTEST_CURRENT_TEST", "")
-    if not path or not test or wait_s is None:
-        return
-    line = json.dumps({"test": test.rsplit(" (", 1)[0], "wait_s": wait_s, "groups": groups})
-    try:  # one write of one line, appended: launches of xdist workers do not interleave
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # the test's time then holds the wait, as before
-
-
 _SHIM = """#!/bin/sh
 # cpq (pytest --cpq-torchrun): this launch runs on a warm group
 exec {python} -m cpq torchrun "$@"
@@ -105,6 +100,24 @@ def _cpq_chain():
             return
 
 
+class _CpqRouteRun:
+    """``torch.distributed.run.run(args)`` in this process (``accelerate launch``) runs
+    ``cpq torchrun``: cpq is imported only when that module is."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch.distributed.run":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            from cpq.client.torchrun import route_on_import
+        except Exception:
+            return None
+        return route_on_import().find_spec(fullname, path, target)
+
+
+# Not in cpq's own groups (their agent runs torchrun's code) nor in a real torchrun's workers.
+if not any(os.environ.get(v) for v in ("{real}", "CPQ_GROUP_ID", "TORCHELASTIC_RUN_ID")):
+    sys.meta_path.insert(0, _CpqRouteRun())
 _cpq_route()
 _cpq_chain()
 '''
@@ -129,86 +142,6 @@ def enabled(config: pytest.Config) -> bool:
     return bool(config.getini("cpq_torchrun"))
 
 
-#: What ``run(args)`` may carry for ``cpq torchrun`` to run it: option -> its default.
-_RUN_DEFAULTS: dict[str, Any] = {
-    "rdzv_id": "none",
-    "rdzv_conf": "",
-    "monitor_interval": 0.1,
-    "start_method": "spawn",
-    "event_log_handler": "null",
-    "role": "default",
-    "run_path": False,
-    "log_dir": None,
-    "redirects": "0",
-    "master_addr": "127.0.0.1",
-    "master_port": None,
-    "local_addr": None,
-    "logs_specs": None,
-    "numa_binding": None,
-    "virtual_local_rank": False,
-    "duplicate_stdout_filters": [],
-    "duplicate_stderr_filters": [],
-    "signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    "shutdown_timeout": None,
-}
-
-
-def run_argv(args: Any) -> list[str] | None:
-    """``run(args)``'s parsed arguments as ``cpq torchrun``'s command line; None where an
-    option differs from its default in a way cpq does not read (the real run then)."""
-    values = vars(args)
-    for name, default in _RUN_DEFAULTS.items():
-        if name in values and values[name] != default:
-            return None
-    argv = [
-        f"--nnodes={values.get('nnodes', '1:1')}",
-        f"--nproc-per-node={values.get('nproc_per_node', '1')}",
-        f"--max-restarts={values.get('max_restarts', 0)}",
-        f"--rdzv-backend={values.get('rdzv_backend', 'static')}",
-        f"--node-rank={values.get('node_rank', 0)}",
-    ]
-    if values.get("rdzv_endpoint"):
-        argv.append(f"--rdzv-endpoint={values['rdzv_endpoint']}")
-    if values.get("tee", "0") not in ("0", 0, None):
-        argv.append(f"--tee={values['tee']}")
-    if values.get("local_ranks_filter"):
-        argv.append(f"--local-ranks-filter={values['local_ranks_filter']}")
-    for flag in ("standalone", "no_python", "module"):
-        if values.get(flag):
-            argv.append("--" + flag.replace("_", "-"))
-    script = values.get("training_script")
-    if not script:
-        return None
-    return [*argv, str(script), *[str(a) for a in values.get("training_script_args") or []]]
-
-
-def route_in_process() -> None:
-    """Replace ``torch.distributed.run.run`` once that module is loaded here."""
-    module = sys.modules.get("torch.distributed.run")
-    if module is None or getattr(getattr(module, "run", None), "_cpq_routed", False):
-        return
-    real = getattr(module, "run")  # noqa: B009
-
-    def run(args: Any) -> None:
-        argv = run_argv(args)
-        if argv is None:
-            real(args)
-            return
-        done = subprocess.run([sys.executable, "-m", "cpq", "torchrun", *argv], check=False)
-        if done.returncode != 0:
-            from torch.distributed.elastic.multiprocessing.errors import (
-                ChildFailedError,
-                ProcessFailure,
-            )
-
-            failure = ProcessFailure(0, 0, done.returncode, "")
-            raise ChildFailedError(name=str(args.training_script), failures={0: failure})
-
-    run._cpq_routed = True  # type: ignore[attr-defined]
-    run.__wrapped__ = real  # type: ignore[attr-defined]
-    setattr(module, "run", run)  # noqa: B010 - a module mypy knows without this attribute
-
-
 class Routing:
     """The folder in front of ``PATH`` and ``PYTHONPATH`` while the session runs.
 
@@ -218,7 +151,8 @@ class Routing:
 
     def __init__(self) -> None:
         digest = hashlib.sha256(sys.executable.encode()).hexdigest()[:8]
-        self.folder = str(paths.state_dir() / f"torchrun-route-{digest}")
+        # its name tells specs to leave it out (environ.fold_paths)
+        self.folder = str(paths.state_dir() / f"{environ.ROUTE_FOLDER_PREFIX}{digest}")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         _write(os.path.join(self.folder, "torchrun"), _SHIM.format(python=sys.executable), 0o755)
         _write(os.path.join(self.folder, "sitecustomize.py"), _HOOK.replace("{real}", REAL_VAR))
@@ -229,6 +163,8 @@ class Routing:
         self.waits = os.path.join(self.folder, f"waits-{os.getpid()}-{id(self):x}.jsonl")
         os.environ[WAITS_VAR] = self.waits  # a task variable: no part of any spec
         self.offset = 0
+        # accelerate launch in this process imports torch.distributed.run during the test
+        self.hook = route_on_import()
 
     def fold(self, waits: dict[str, float], groups: set[str]) -> float:
         """Add the launches' waits reported since the last call to ``waits`` (by test id)
@@ -254,6 +190,8 @@ class Routing:
         return added
 
     def close(self) -> None:
+        if self.hook in sys.meta_path:
+            sys.meta_path.remove(self.hook)
         module = sys.modules.get("torch.distributed.run")
         real = getattr(getattr(module, "run", None), "__wrapped__", None)
         if (

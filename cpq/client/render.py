@@ -14,6 +14,23 @@ from typing import Any
 
 from cpq.protocol import TaskResult
 
+#: A status cell longer than this is cut (``--json`` keeps every value whole).
+MAX_CELL = 60
+#: Names listed in a line of the status before "+N more".
+MAX_NAMES = 6
+
+
+def cut(text: str, limit: int = MAX_CELL) -> str:
+    """``text`` within ``limit`` characters, its cut marked (a whole PATH in a spec cell
+    made one status 35 KB)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def names(items: list[str], limit: int = MAX_NAMES) -> str:
+    """A list of names summarised: the first few, then how many more."""
+    shown = ", ".join(items[:limit]) or "-"
+    return shown + (f" +{len(items) - limit} more" if len(items) > limit else "")
+
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in headers]] + [
@@ -80,12 +97,12 @@ def render(status: dict[str, Any]) -> str:
                     f"({fmt_duration(task.get('elapsed_s'))}{deadline})"
                 )
             elif p["state"] == "stopping" and p.get("stop_reason"):
-                current = f"({p['stop_reason']})"
+                current = f"({cut(p['stop_reason'], 2 * MAX_CELL)})"
             cuda = p.get("cuda_mb") or []
             rows.append(
                 [
                     p["id"],
-                    _spec(p),
+                    cut(_spec(p)),
                     ",".join(p["gpus"]) or "-",
                     f"{p['state']} (spare)" if p.get("spare") else p["state"],
                     p["pid"],
@@ -507,7 +524,6 @@ def _bound_env(pools: list[dict[str, Any]]) -> list[str]:
         by_tasks = [n for n in p.get("bound_env") or [] if n not in at_start]
         if by_tasks or at_start:
             lines.append(
-                f"{p['id']} bound by imports: {', '.join(by_tasks) or '-'}"
-                f" (+{len(at_start)} read at start-up)"
+                f"{p['id']} bound by imports: {names(by_tasks)} (+{len(at_start)} read at start-up)"
             )
     return lines

@@ -21,6 +21,7 @@ torchrun launches").
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -201,11 +202,30 @@ def main(args: Sequence[str]) -> int:
     except (BrokerUnavailable, OSError, RuntimeError) as exc:
         sys.stderr.write(f"cpq torchrun: the broker went away during the launch: {exc}\n")
         return 1
-    from cpq.client.launches import report_wait
-
     report_wait(result.spawn_wait_s, list(result.groups or [result.group_id]))
     _write_output(launch, result)
     return _exit_status(launch, result)
+
+
+#: The file each launch appends its measured wait for a group to (one JSON line).
+WAITS_VAR = "CPQ_LAUNCH_WAITS"
+
+
+def report_wait(wait_s: float | None, groups: list[str]) -> None:
+    """In ``cpq torchrun``: append this launch's wait and groups for the session that routed
+    it (nothing outside a routed pytest test, or from a broker that did not measure it)."""
+    path, test = os.environ.get(WAITS_VAR), os.environ.get("PYTEST_CURRENT_TEST", "")
+    if not path or not test or wait_s is None:
+        return
+    line = json.dumps({"test": test.rsplit(" (", 1)[0], "wait_s": wait_s, "groups": groups})
+    try:  # one write of one line, appended: launches of xdist workers do not interleave
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the test's time then holds the wait, as before
 
 
 def real_torchrun(args: Sequence[str], why: str) -> int:
@@ -242,7 +262,8 @@ def _write_output(launch: Launch, result: Any) -> None:
 
 
 def _exit_status(launch: Launch, result: Any) -> int:
-    """0 when every rank exited 0; else torchrun's 1, with its kind of failure summary."""
+    """0 when every rank exited 0; else torchrun's 1, after its ``ChildFailedError`` summary
+    (what torchrun's agent prints: each failed rank, the first to fail as the root cause)."""
     codes = {r.rank: r.value for r in result.ranks}
     if (
         result.outcome == "passed"
@@ -251,14 +272,249 @@ def _exit_status(launch: Launch, result: Any) -> int:
     ):
         return 0
     script = launch.argv[0] if launch.argv else "?"
-    lines = ["=" * 60, f"{script} FAILED", "-" * 60, "Failures:"]
     failed = [r for r in sorted(result.ranks, key=lambda r: r.rank) if r.outcome != "passed"]
-    for rank in failed:
-        code = rank.value if isinstance(rank.value, int) else 1
-        lines.append(f"  rank {rank.rank} (local_rank: {rank.rank}) exitcode: {code}")
+    _record_failures(failed)
     if not failed:  # no rank's own report: the group failed (a rank died, a deadline)
+        lines = ["=" * 60, f"{script} FAILED", "-" * 60, "Failures:"]
         lines.append(f"  {result.message or result.outcome}")
-    lines.append(f"(cpq: warm group {result.group_id or '?'})")
-    lines.append("=" * 60)
-    sys.stderr.write("\n".join(lines) + "\n")
+        lines += [f"(cpq: warm group {result.group_id or '?'})", "=" * 60]
+        sys.stderr.write("\n".join(lines) + "\n")
+        return 1
+    sys.stderr.write(failure_summary(script, failed) + "\n")
+    sys.stderr.write(f"(cpq: the launch ran on warm group {result.group_id or '?'})\n")
     return 1
+
+
+_ERRORS_DOC = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+
+
+def failure_summary(script: str, failed: list[Any], now: float | None = None) -> str:
+    """torchrun's ``ChildFailedError`` line and block for the failed ranks (reports with
+    ``rank``, ``value`` (exit code), ``duration_s``, ``error``): the first to fail is the
+    root cause, by the time each rank's script ended (``exit code N (pid: P, at T)``)."""
+    import datetime
+    import re
+    import socket
+    import time
+
+    now = time.time() if now is None else now
+    slowest = max(r.duration_s for r in failed)
+    host = socket.getfqdn()
+    blocks: dict[int, str] = {}
+
+    def ended(rank: Any) -> float:
+        """When the rank's script ended (the rank says; else estimated from durations)."""
+        found = re.search(r"at ([0-9.]+)\)", getattr(rank.error, "message", "") or "")
+        return float(found.group(1)) if found else now - (slowest - rank.duration_s)
+
+    # In the order the ranks failed (torchrun's agent lists them as it observes them).
+    ordered = sorted(failed, key=lambda r: (ended(r), r.rank))
+    for idx, rank in enumerate(ordered):
+        code = rank.value if isinstance(rank.value, int) else 1
+        found = re.search(r"pid: (\d+)", getattr(rank.error, "message", "") or "")
+        stamp = int(ended(rank))
+        when = datetime.datetime.fromtimestamp(stamp).isoformat(sep="_")
+        blocks[rank.rank] = "\n".join(
+            [
+                f"[{idx}]:",
+                f"  time      : {when}",
+                f"  host      : {host}",
+                f"  rank      : {rank.rank} (local_rank: {rank.rank})",
+                f"  exitcode  : {code} (pid: {found.group(1) if found else '?'}) ",
+                "  error_file: <N/A>",
+                f"  traceback : {_ERRORS_DOC}",
+            ]
+        )
+    root = ordered[0].rank
+    title = f"{script} FAILED"
+    lines = [line for text in [title, *blocks.values()] for line in text.split("\n")]
+    width = min(60, max(len(line) for line in lines))
+    others = [text for r, text in blocks.items() if r != root] or ["  <NO_OTHER_FAILURES>"]
+    return "\n".join(
+        [
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            "=" * width,
+            title,
+            "-" * width,
+            "Failures:",
+            *others,
+            "-" * width,
+            "Root Cause (first observed failure):",
+            blocks[root],
+            "=" * width,
+        ]
+    )
+
+
+#: Set by an in-process ``run`` routed here: where to write each failed rank's exit code,
+#: from which it raises torchrun's ``ChildFailedError`` with them.
+FAILURES_VAR = "CPQ_TORCHRUN_FAILURES"
+
+
+def _record_failures(failed: list[Any]) -> None:
+    path = os.environ.get(FAILURES_VAR)
+    if not path:
+        return
+    import json
+
+    codes = {str(r.rank): (r.value if isinstance(r.value, int) else 1) for r in failed}
+    try:
+        with open(path, "w") as out:
+            json.dump(codes, out)
+    except OSError:
+        pass
+
+
+# ------------------------------------------- torch.distributed.run.run(args) in a process
+
+
+#: What ``run(args)`` may carry for ``cpq torchrun`` to run it: option -> its default. The
+#: master address and port are not here: a single-node launch runs on a warm group whatever
+#: it names (``accelerate launch`` always names port 29500).
+_RUN_DEFAULTS: dict[str, Any] = {
+    "rdzv_id": "none",
+    "rdzv_conf": "",
+    "monitor_interval": 0.1,
+    "start_method": "spawn",
+    "event_log_handler": "null",
+    "role": "default",
+    "run_path": False,
+    "log_dir": None,
+    "redirects": "0",
+    "local_addr": None,
+    "logs_specs": None,
+    "numa_binding": None,
+    "virtual_local_rank": False,
+    "duplicate_stdout_filters": [],
+    "duplicate_stderr_filters": [],
+    "signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    "shutdown_timeout": None,
+}
+
+
+def run_argv(args: Any) -> list[str] | None:
+    """``run(args)``'s parsed arguments as ``cpq torchrun``'s command line; None where an
+    option differs from its default in a way cpq does not read (the real run then)."""
+    return _run_argv(args)[0]
+
+
+def _run_argv(args: Any) -> tuple[list[str] | None, str]:
+    """``(the command line, "")`` or ``(None, why the real run runs)``."""
+    values = vars(args)
+    for name, default in _RUN_DEFAULTS.items():
+        if name in values and values[name] != default:
+            return None, f"--{name.replace('_', '-')}={values[name]!r}, which cpq does not read"
+    argv = [
+        f"--nnodes={values.get('nnodes', '1:1')}",
+        f"--nproc-per-node={values.get('nproc_per_node', '1')}",
+        f"--max-restarts={values.get('max_restarts', 0)}",
+        f"--rdzv-backend={values.get('rdzv_backend', 'static')}",
+        f"--node-rank={values.get('node_rank', 0)}",
+    ]
+    if values.get("rdzv_endpoint"):
+        argv.append(f"--rdzv-endpoint={values['rdzv_endpoint']}")
+    if values.get("tee", "0") not in ("0", 0, None):
+        argv.append(f"--tee={values['tee']}")
+    if values.get("local_ranks_filter"):
+        argv.append(f"--local-ranks-filter={values['local_ranks_filter']}")
+    for flag in ("standalone", "no_python", "module"):
+        if values.get(flag):
+            argv.append("--" + flag.replace("_", "-"))
+    script = values.get("training_script")
+    if not script:
+        return None, "no script to run"
+    return [*argv, str(script), *[str(a) for a in values.get("training_script_args") or []]], ""
+
+
+def patch_run(module: Any) -> None:
+    """Replace ``module.run`` (``torch.distributed.run``'s) by one that runs ``cpq
+    torchrun`` and, when a rank failed, raises torchrun's ``ChildFailedError`` with each
+    failed rank's exit code, as the real ``run`` does."""
+    real = getattr(module, "run", None)
+    if real is None or getattr(real, "_cpq_routed", False):
+        return
+
+    def run(args: Any) -> None:
+        argv, why = _run_argv(args)
+        if argv is None:
+            sys.stderr.write(f"cpq torchrun: running the real torchrun: {why}\n")
+            sys.stderr.flush()
+            real(args)
+            return
+        import json
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="cpq-run-") as folder:
+            path = os.path.join(folder, "failures.json")
+            env = dict(os.environ, **{FAILURES_VAR: path})
+            command = [sys.executable, "-m", "cpq", "torchrun", *argv]
+            done = subprocess.run(command, env=env, check=False)
+            try:
+                with open(path) as source:
+                    codes = {int(r): int(c) for r, c in json.load(source).items()}
+            except (OSError, ValueError):
+                codes = {}
+        if done.returncode != 0:
+            from torch.distributed.elastic.multiprocessing.errors import (
+                ChildFailedError,
+                ProcessFailure,
+            )
+
+            codes = codes or {0: done.returncode}
+            failures = {r: ProcessFailure(r, 0, c, "") for r, c in sorted(codes.items())}
+            raise ChildFailedError(name=str(args.training_script), failures=failures)
+
+    run._cpq_routed = True  # type: ignore[attr-defined]
+    run.__wrapped__ = real  # type: ignore[attr-defined]
+    setattr(module, "run", run)  # noqa: B010 - a module mypy knows without this attribute
+
+
+def route_in_process() -> None:
+    """Replace ``torch.distributed.run.run`` if that module is loaded here."""
+    module = sys.modules.get("torch.distributed.run")
+    if module is not None:
+        patch_run(module)
+
+
+class _Patching:
+    """A loader that runs the real one, then :func:`patch_run` on the module."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        patch_run(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... of the real one
+        return getattr(self.inner, name)
+
+
+class RouteOnImport:
+    """A ``sys.meta_path`` finder: ``torch.distributed.run`` is routed as it is imported
+    (``accelerate launch`` imports it inside the call that runs the launch)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "torch.distributed.run":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Patching(spec.loader)  # type: ignore[assignment]
+        return spec
+
+
+def route_on_import() -> RouteOnImport:
+    """Route ``torch.distributed.run.run`` here: now if loaded, else once imported."""
+    route_in_process()
+    for finder in sys.meta_path:
+        if isinstance(finder, RouteOnImport):
+            return finder
+    finder = RouteOnImport()
+    sys.meta_path.insert(0, finder)
+    return finder

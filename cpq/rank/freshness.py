@@ -153,6 +153,18 @@ class CodeWatch:
             # Changed while being imported? Then what was loaded is unknown: stale.
             self.files[real] = _UNKNOWN if stamp[0] >= since_ns - MTIME_SLACK_NS else stamp
 
+    def forget(self, modules: dict[str, str]) -> None:
+        """Stop watching modules the session boundary forgot (:mod:`cpq.rank.boundary`):
+        the next import executes the file as it is then, as a fresh process would, so an
+        edit of it no longer needs a fresh group. A file another loaded module still comes
+        from stays watched."""
+        self._seen.difference_update(modules)
+        self._modules_len = -1
+        loaded = {getattr(m, "__file__", None) for m in list(sys.modules.values())}
+        for path in modules.values():
+            if path and path not in loaded:
+                self.files.pop(os.path.realpath(path), None)
+
     def changed(self) -> str:
         """The first watched file that changed since it was loaded ("" when none did)."""
         for path, stamp in self.files.items():

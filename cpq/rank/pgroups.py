@@ -62,11 +62,12 @@ def install() -> None:
 
     @functools.wraps(real_init)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-        global _hidden
+        global _hidden, script_initialised
         if not real_is_initialized():
             real_init(backend, *args, **kwargs)
             return
         _hidden = False  # the script's own group is the warm one from now on
+        script_initialised = _in_script
         asked = str(backend or kwargs.get("backend") or "").lower()
         have = str(c10d.get_backend()).lower()
         if asked and asked not in have and not (asked == "cpu:gloo,cuda:nccl"):
@@ -160,15 +161,22 @@ def _bind(device: Any) -> None:
         log.warning("could not bind the warm process group to %s", device)
 
 
+_in_script = False
+#: The launched script called ``init_process_group`` (its uncaught exception's lines then
+#: carry torch's ``[rank<r>]: `` prefix).
+script_initialised = False
+
+
 @contextlib.contextmanager
 def as_fresh_worker() -> Iterator[None]:
     """While a launched script runs: ``is_initialized()`` is False until it initialises."""
-    global _hidden
-    _hidden = True
+    global _hidden, _in_script, script_initialised
+    _hidden = _in_script = True
+    script_initialised = False
     try:
         yield
     finally:
-        _hidden = False
+        _hidden = _in_script = False
 
 
 def made_groups() -> list[Any]:
@@ -191,3 +199,74 @@ def destroy_made(before: set[int]) -> None:
                 real_destroy(pg)
             except Exception:
                 log.exception("destroying a process group a test made failed")
+
+
+def close_as_dead_worker() -> None:
+    """Close every process group of this rank, the warm one too, as the connections of a
+    worker whose process ended close: a peer waiting in a collective on this rank (a barrier
+    after this rank's script raised) then gets gloo's "Connection closed by peer", as under
+    torchrun, instead of waiting for the deadline. gloo closes its sockets only when the
+    last reference to the group goes, hence the collection. The rank cannot serve again
+    (its caller makes it unfit). NCCL peers inside a kernel do not wake: the broker's
+    failure grace ends them (docs/design.md, "Warm torchrun launches")."""
+    global _warm
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+
+    real_destroy = getattr(c10d.destroy_process_group, "__wrapped__", c10d.destroy_process_group)
+    for pg in made_groups():
+        with contextlib.suppress(Exception):
+            real_destroy(pg)
+    _warm = None
+    if c10d.GroupMember.WORLD is not None:
+        try:
+            real_destroy()
+        except Exception:
+            log.exception("closing the warm process group failed")
+    gc.collect()
+
+
+#: Launches this rank ran: every rank of a group runs the same ones in the same order, so
+#: the count names one launch in the warm group's store.
+_launches = 0
+#: How long a failed rank waits for its peers to end their script before it closes its
+#: groups (a peer waiting for it in a collective never ends).
+PEER_WAIT_S = 0.5
+
+
+def launch_ended(failed: bool, nproc: int) -> bool:
+    """Say in the warm group's store that this rank's script ended; for a failed one, wait
+    up to :data:`PEER_WAIT_S` for every peer's. True when the rank must close its groups as
+    a dead worker's (:func:`close_as_dead_worker`): a peer has not ended (it may wait for
+    this rank in a collective) or the ranks ended after different numbers of collectives
+    (one left a message the next launch would read). A launch where every rank ended in
+    step keeps its group warm, failed or not."""
+    global _launches
+    import time
+
+    from torch.distributed import distributed_c10d as c10d
+
+    _launches += 1
+    if _warm is None or nproc < 2:
+        return False
+    try:
+        store = c10d._get_default_store()
+        prefix = f"cpq/launch/{_launches}"
+        rank = c10d.get_rank(_warm)
+        sequence = int(getattr(_warm, "_get_sequence_number_for_group")())  # noqa: B009
+        store.set(f"{prefix}/seq/{rank}", str(sequence))
+        ended = int(store.add(f"{prefix}/ended", 1))
+        if not failed:
+            return False
+        deadline = time.monotonic() + PEER_WAIT_S
+        while ended < nproc and time.monotonic() < deadline:
+            time.sleep(0.01)
+            ended = int(store.add(f"{prefix}/ended", 0))
+        if ended < nproc:
+            return True
+        sequences = {store.get(f"{prefix}/seq/{r}") for r in range(nproc)}
+        return len(sequences) != 1
+    except Exception:  # a store that fails: the safe side
+        log.exception("reading the launch's end from the store failed")
+        return failed

@@ -30,6 +30,7 @@ import zmq
 from cpq import protocol
 from cpq.osutil import die_with_parent
 from cpq.rank import (
+    boundary,
     cancel,
     carryover,
     failure_report,
@@ -354,8 +355,12 @@ def _cross_boundary(task: protocol.RunTask, carried: carryover.Carryover) -> str
     """Before a task that does not go on with the session whose tests ran here: that
     session ends if the task is another caller's; torch's switches go back to the ready
     rank's. Returns why this rank may not serve the task ("": it may)."""
-    if items.ends_current(task):
+    ended = items.ends_current(task)
+    if ended:
         items.close_current()
+    if ended or task.target == script.TARGET:  # a launch is a new process
+        _forget_modules("launch" if task.target == script.TARGET else "session")
+    if ended:
         why = carried.unfit_after_caller()
         if why:
             log.info("not serving another caller: this rank %s", why)
@@ -372,11 +377,21 @@ def _after_caller(
     CUDA error after a failure (at once, after the failing test's own report)."""
     ended = items.session_ended or task.target == script.TARGET
     items.session_ended = False
-    if ended:
+    if ended:  # what it imported goes first: the memory check then sees it gone too
+        _forget_modules("launch" if task.target == script.TARGET else "session")
         return carried.unfit_after_caller()
     if result.outcome == "failed":
         return carryover.sticky_cuda_error()
     return ""
+
+
+def _forget_modules(why: str) -> None:
+    """The modules the caller imported go (:mod:`cpq.rank.boundary`): the next session or
+    launch imports them afresh, as a new process would."""
+    try:
+        boundary.cross(why)
+    except Exception:  # a boundary that cannot be crossed must not take the rank down
+        log.exception("crossing the %s boundary failed", why)
 
 
 class _TaskProfile:
@@ -459,6 +474,8 @@ def main() -> None:
     log.info("ready after %.2fs", ready.startup_s)
     baseline = Baseline.capture()
     carried = carryover.Carryover.capture()
+    boundary.mark_ready()  # the modules every later session and launch starts from
+    boundary.on_forget(watch.forget)  # a forgotten module's file is read afresh, not watched
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     last_env: dict[str, str] | None = None
     profile = _TaskProfile.from_env(config.rank)

@@ -22,15 +22,17 @@ running) makes the rank unfit: the group is recycled (:func:`leftover`).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.machinery
 import os
 import runpy
-import site
 import sys
-import sysconfig
 import tempfile
 import threading
+import time
 import traceback
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,7 +72,6 @@ def run_script(
         }
     )
     threads_before = set(threading.enumerate())
-    modules_before = set(sys.modules)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = list(argv)
     if local_rank_arg:
@@ -82,27 +83,34 @@ def run_script(
         try:
             if module:
                 runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-            else:
+            elif os.path.isfile(argv[0]):
+                _run_file(argv[0])
+            else:  # a directory or a zip file with a __main__.py
                 runpy.run_path(argv[0], run_name="__main__")
         except SystemExit as exc:
             code, text = _exit_code(exc)
         except _HardExit as exc:  # os._exit(n): the worker's status, without its death
             code = exc.code
         except BaseException as exc:  # what the interpreter prints, and its status
-            text = "".join(traceback.format_exception(type(exc), exc, _script_tb(exc)))
+            text = _uncaught(exc, module, pgroups.script_initialised)
             sys.stderr.write(text)
             sys.stderr.flush()
             code = 1
         finally:
             sys.argv = saved_argv
             sys.path[:] = saved_path
-            _forget_user_modules(modules_before)
+    ended = time.time()  # when a worker process would have exited (the failure's time)
     pgroups.caller_done(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
     leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
+    if pgroups.launch_ended(code != 0, nproc):
+        # A failed worker's process ends and its connections close: peers waiting for it
+        # in a collective fail at once with their own traceback, as under torchrun.
+        pgroups.close_as_dead_worker()
+        leftover = f"its script exited {code}: its process groups were closed"
     if code == 0:
         return ItemRun("passed", value=0)
-    line = f"exit code {code}"
+    line = f"exit code {code} (pid: {os.getpid()}, at {ended:.3f})"
     return ItemRun("failed", error=("SystemExit", line, text[-8000:]), value=code)
 
 
@@ -130,25 +138,73 @@ def _exit_raises() -> Iterator[None]:
         os._exit = real
 
 
-def _library_prefixes() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    found = {sys.prefix, sys.base_prefix, paths["stdlib"], paths["purelib"], paths["platlib"]}
-    found.update(site.getsitepackages())
-    return tuple(os.path.realpath(p) + os.sep for p in found if p)
+def _run_file(path: str) -> None:
+    """``python path``: the file as ``__main__``, its ``__file__`` absolute and
+    ``sys.argv[0]`` as given (runpy's ``run_path`` sets both to the path it was given)."""
+    absolute = os.path.abspath(path)
+    with open(absolute, "rb") as source:
+        code = compile(source.read(), absolute, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=absolute,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", absolute),
+        __spec__=None,
+        __package__=None,
+        __builtins__=builtins,
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
-def _forget_user_modules(before: set[str]) -> None:
-    """Drop the modules the script imported from the user's folders (its own ``utils``, its
-    package): the next launch, from another folder maybe, imports its own, as a fresh
-    worker would. Libraries stay loaded: that is the warmth."""
-    libraries = _library_prefixes()
-    for name in set(sys.modules) - before:
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if not isinstance(path, str):
-            continue
-        real = os.path.realpath(path)
-        if not real.startswith(libraries) and not real.startswith(CPQ_DIR):
-            del sys.modules[name]
+def _uncaught(exc: BaseException, module: bool, initialised: bool) -> str:
+    """What the interpreter of a torchrun worker prints for an uncaught exception: the
+    traceback from the script's frame (``-m``: after runpy's two frames, as ``python -m``
+    shows them), each line prefixed ``[rank<r>]: `` once the script initialised a process
+    group (torch's ``init_process_group`` installs that ``sys.excepthook``)."""
+    text = "".join(traceback.format_exception(type(exc), exc, _script_tb(exc)))
+    header = "Traceback (most recent call last):\n"
+    at = text.rfind(header)
+    if module and at >= 0:
+        at += len(header)
+        text = text[:at] + _RUNPY_FRAMES + text[at:]
+    if initialised:
+        prefix = f"[rank{os.environ.get('RANK', '0')}]: "
+        text = "\n".join(prefix + line if line else "" for line in text.split("\n"))
+    return text
+
+
+def _call_line(function: Any, callee: str) -> int:
+    """The line of ``function`` that calls ``callee`` (for runpy's frames, which are frozen)."""
+    import dis
+
+    seen = False
+    for instruction in dis.get_instructions(function):
+        if instruction.argval == callee and instruction.opname.startswith("LOAD"):
+            seen = True
+        elif seen and instruction.opname.startswith("CALL"):
+            positions = getattr(instruction, "positions", None)
+            line = getattr(positions, "lineno", None) or instruction.starts_line
+            return int(line or 0)
+    return 0
+
+
+_RUNPY_FILE = (
+    "<frozen runpy>"
+    if runpy.__spec__ and runpy.__spec__.origin == "frozen"
+    else (runpy.__file__ or "runpy.py")
+)
+_RUNPY_FRAMES = (
+    f'  File "{_RUNPY_FILE}", line {_call_line(getattr(runpy, "_run_module_as_main"), "_run_code")}'  # noqa: B009
+    ", in _run_module_as_main\n"
+    f'  File "{_RUNPY_FILE}", line {_call_line(getattr(runpy, "_run_code"), "exec")}'  # noqa: B009
+    ", in _run_code\n"
+)
 
 
 def _script_tb(exc: BaseException) -> Any:

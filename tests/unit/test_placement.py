@@ -181,6 +181,21 @@ def test_recycling_comes_first_and_the_task_waits_for_a_fresh_group() -> None:
     assert decide(s) == [("stop", "g1", "recycled"), ("start", 2, ("2", "3"), "task")]
 
 
+def test_idle_groups_beyond_the_most_recently_used_one_are_released_after_idle_release() -> None:
+    bounds = Bounds(spares=0, idle_release_s=100.0)
+    recent = group("g1", A, gpus=("0", "1"), last_used=NOW - 500.0)
+    old = group("g2", A, gpus=("2", "3"), last_used=NOW - 600.0)
+    young = group("g3", A, last_used=NOW - 50.0, spare=False)
+    # g1 is its spec's most recently used idle group of the two old ones: it stays
+    assert decide(snap([recent, old], bounds=bounds)) == [("stop", "g2", "recycled")]
+    # the idle time counts, not the order; 0 is never; a busy or another spec's group never
+    assert decide(snap([young, old], bounds=bounds)) == [("stop", "g2", "recycled")]
+    assert decide(snap([young, recent], bounds=Bounds(spares=0, idle_release_s=0))) == []
+    busy = group("g4", A, "busy", last_used=NOW - 900.0)
+    other = group("g6", B, last_used=NOW - 900.0)
+    assert decide(snap([recent, busy, other], bounds=bounds)) == []
+
+
 def test_a_spare_starts_for_a_used_spec_only_when_nothing_is_queued() -> None:
     history = History()
     history.used(A, NOW, b"c", "", "g1")

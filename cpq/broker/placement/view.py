@@ -146,6 +146,9 @@ class Bounds:
     scale_up_after_s: float = 1.0
     max_tasks_per_group: int = 0
     max_rss_growth_mb: float = 0.0
+    #: An idle used group beyond its spec's most recently used one is released after this
+    #: long unused (0: never; ``--idle-release``).
+    idle_release_s: float = 900.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""accelerate as its own test suite uses it, under ``pytest --cpq-torchrun``, with no user
+hook: its distributed test scripts launched per test the way accelerate's tests launch them
+(``execute_subprocess_async(["torchrun", "--nproc-per-node", "2", script])``, CPU, gloo,
+``ACCELERATE_USE_CPU=true``) and ``accelerate launch`` (in process through
+``launch_command``, and as a subprocess) give the verdicts they give without cpq, cold and
+warm, on warm groups. accelerate is pinned in the test extras (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpq import Client
+
+pytest.importorskip("accelerate")
+
+SCRIPTS = [
+    "test_script",
+    "test_sync",
+    "test_ops",
+    "test_cli",
+    "test_ddp_comm_hook",
+    "test_merge_weights",
+]
+
+SUITE = """
+import os
+import subprocess
+import sys
+
+import pytest
+from accelerate.test_utils import execute_subprocess_async, path_in_accelerate_package
+
+SCRIPTS = {scripts!r}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_accelerate_script(name):
+    script = path_in_accelerate_package("test_utils", "scripts", f"{{name}}.py")
+    cmd = ["torchrun", "--nproc-per-node", "2", str(script)]
+    execute_subprocess_async(cmd, env=os.environ.copy())
+
+
+def test_fails_on_rank_one_while_rank_zero_waits():
+    cmd = ["torchrun", "--nproc-per-node", "2", "fail_rank1.py"]
+    execute_subprocess_async(cmd, env=os.environ.copy())
+
+
+def test_launch_command_in_process():
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    parser = launch_command_parser()
+    launch_command(parser.parse_args(["--multi_gpu", "--num_processes", "2", "state.py"]))
+
+
+def test_accelerate_launch_as_a_subprocess():
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    done = subprocess.run(
+        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "state.py"],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split())[-4:] == ["0", "1", "STATE", "STATE"], done.stdout
+"""
+
+FAIL_RANK1 = """
+from accelerate import PartialState
+
+state = PartialState(cpu=True)
+print(f"FAIL-SCRIPT rank {state.process_index}", flush=True)
+if state.process_index == 1:
+    raise RuntimeError("rank one fails on purpose")
+state.wait_for_everyone()
+"""
+
+STATE = """
+from accelerate import PartialState
+
+state = PartialState(cpu=True)
+assert state.num_processes == 2, state.num_processes
+state.wait_for_everyone()
+print("STATE", state.process_index, flush=True)
+"""
+
+VERDICTS = """
+import json
+import os
+
+outcomes = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.failed or report.when == "call":
+        outcomes[report.nodeid] = report.outcome if report.when == "call" else "error"
+
+
+def pytest_sessionfinish(session):
+    with open(os.environ["VERDICTS_OUT"], "w") as handle:
+        json.dump(outcomes, handle)
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path, broker: str) -> Path:
+    (tmp_path / "test_accelerate_suite.py").write_text(SUITE.format(scripts=SCRIPTS))
+    (tmp_path / "fail_rank1.py").write_text(FAIL_RANK1)
+    (tmp_path / "state.py").write_text(STATE)
+    (tmp_path / "verdicts.py").write_text(VERDICTS)
+    # `torchrun` is this interpreter's (the one on PATH may be another Python's)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "torchrun").write_text(
+        f'#!/bin/sh\nexec {sys.executable} -m torch.distributed.run "$@"\n'
+    )
+    (folder / "torchrun").chmod(0o755)
+    return tmp_path
+
+
+def _session(project: Path, name: str, *args: str) -> tuple[dict[str, str], str]:
+    out = project / f"verdicts-{name}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(
+        VERDICTS_OUT=str(out),
+        ACCELERATE_USE_CPU="true",
+        PYTHONPATH=str(project),
+        PATH=f"{project / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "verdicts", "-p", "no:cacheprovider", *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    return json.loads(out.read_text()), done.stdout + done.stderr
+
+
+def _tasks(broker: str) -> int:
+    with Client(broker, name="accelerate-test") as client:
+        return int(client.status()["totals"]["submitted"])
+
+
+def test_accelerate_scripts_and_launches_give_the_fresh_verdicts_cold_and_warm(
+    project: Path, broker: str
+) -> None:
+    plain, plain_out = _session(project, "plain")
+    assert len(plain) == len(SCRIPTS) + 3, plain_out[-3000:]
+    assert plain["test_accelerate_suite.py::test_fails_on_rank_one_while_rank_zero_waits"] == (
+        "failed"
+    )
+    for session in ("cold", "warm-1", "warm-2"):
+        before = _tasks(broker)
+        got, out = _session(project, session, "--cpq-torchrun")
+        assert got == plain, f"{session}: {got} != {plain}\n{out[-6000:]}"
+        # every launch ran on a warm group: one task each, no real torchrun said it ran
+        assert "running the real torchrun" not in out, out[-3000:]
+        assert _tasks(broker) - before >= len(plain), (session, _tasks(broker) - before)
