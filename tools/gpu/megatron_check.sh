@@ -5,7 +5,9 @@
 #   2. cpq's time per test beyond the test's own (tools/gpu/task_overhead.py), warm session;
 #   3. a second Megatron-LM bucket of our choosing (optimizer/ and four top-level files that
 #      import without Transformer Engine), the same three runs;
-#   4. tools/bench_core.py: the no-op round trip against the stdio pool, side by side.
+#   4. tools/bench_core.py: the no-op round trip against the stdio pool, side by side;
+#   5. tools/boundary_check.py: the session boundary's rows, CUDA ones included.
+# MEG_SECOND=0 / MEG_BENCH=0 / MEG_BOUNDARY=0 skip 3 / 4 / 5.
 # Needs (carried, git-ignored): .megatron (stage.sh's folder, plus the second bucket's files)
 # and .whl (the cp312 pyzmq wheel). Results in $OUT.
 set -uo pipefail
@@ -23,8 +25,22 @@ echo "== cpq's time per test (warm session)" | tee "$OUT/overhead.txt"
 python3 tools/gpu/task_overhead.py "$OUT/main/timings.jsonl" "$OUT/main/meg-warm.xml" \
   | tee -a "$OUT/overhead.txt"
 
-OUT=$OUT/second MEG_FILES=$SECOND bash .megatron/run.sh "$PROJ"
+if [ "${MEG_SECOND:-1}" != 0 ]; then
+  OUT=$OUT/second MEG_FILES=$SECOND bash .megatron/run.sh "$PROJ"
+fi
 
-echo "== bench_core"
-PYTHONPATH=/tmp/site:$PROJ timeout 200 python3 tools/bench_core.py --tasks 1000 \
-  --json "$OUT/bench_core.json" 2>&1 | grep -v -E '^\*|OMP_NUM|^$' | tail -22 | tee "$OUT/bench_core.txt"
+if [ "${MEG_BENCH:-1}" != 0 ]; then
+  echo "== bench_core"
+  PYTHONPATH=/tmp/site:$PROJ timeout 200 python3 tools/bench_core.py --tasks 1000 \
+    --json "$OUT/bench_core.json" 2>&1 | grep -v -E '^\*|OMP_NUM|^$' | tail -22 | tee "$OUT/bench_core.txt"
+fi
+
+if [ "${MEG_BOUNDARY:-1}" != 0 ]; then
+  echo "== session boundary (fresh torchrun -m pytest per session against cpq sessions)"
+  CPQ_STATE_DIR=$(mktemp -d /tmp/boundary-state.XXXXXX)
+  chmod 700 "$CPQ_STATE_DIR"
+  CPQ_STATE_DIR=$CPQ_STATE_DIR PYTHONPATH=/tmp/site:$PROJ timeout 400 python3 tools/boundary_check.py \
+    --json "$OUT/boundary.json" --keep /tmp/boundary | tee "$OUT/boundary.txt"
+  grep -h -E "restored torch|unfit|still holds|sticky" "$CPQ_STATE_DIR"/logs/*.log 2>/dev/null | cut -c1-220 | head -8
+  CPQ_STATE_DIR=$CPQ_STATE_DIR PYTHONPATH=/tmp/site:$PROJ python3 -m cpq stop > /dev/null 2>&1
+fi
