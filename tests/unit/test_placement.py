@@ -359,3 +359,19 @@ def test_a_repeating_mix_of_world_sizes_reaches_a_state_where_no_group_starts(
     started = sim.broker.totals.groups_started
     one_round()
     assert sim.broker.totals.groups_started == started
+
+
+def test_a_sessions_next_test_goes_where_its_tests_ran() -> None:
+    """Its affinity key points at another idle group (a test of that name ran there in an
+    earlier session): the session's own group serves, so what one test left reaches the
+    next as in one pytest process (found by a newcomer: a default dtype not carried)."""
+    from cpq import protocol
+    from cpq.broker.placement.affinity import pick_idle
+    from cpq.broker.placement.view import GroupView
+
+    spec1 = protocol.PoolSpec(world_size=2, python="python", roots=["/p"], backend="gloo")
+    earlier = GroupView("g1", spec1, "idle", last_used=5.0, sessions=frozenset({"s-old"}))
+    home = GroupView("g2", spec1, "idle", last_used=3.0, sessions=frozenset({"s-old", "s-now"}))
+    assert pick_idle([earlier, home], "g1", False, None, "s-now") is home
+    # a session's first test: the key's group, as before
+    assert pick_idle([earlier, home], "g1", False, None, "s-new") is earlier
