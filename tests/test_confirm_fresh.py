@@ -123,7 +123,14 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
     reference = {}
     for name in ("a_leaves_state", "b_expects_it_empty", "c_always_fails", "d_passes"):
         nodeid = f"test_state.py::test_{name}"
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+        ]
         ref = _run([*torchrun, "-m", "pytest", nodeid, *ARGS], project / name, project)
         assert "cpq steps aside" in ref.stdout or ref.returncode in (0, 1), ref.stdout[-2000:]
         reference.update(json.loads((project / f"{name}-0.json").read_text()))

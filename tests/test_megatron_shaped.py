@@ -230,7 +230,14 @@ def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
     )
     project = pytester.path
     args = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "test_shaped.py"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     ref = _run(
         [*torchrun, "-m", "pytest", *args],
         project / "ref",

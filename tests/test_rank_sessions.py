@@ -204,7 +204,14 @@ def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPa
 
 def _fresh(project: Path, args: list[str], name: str) -> dict[str, str]:
     """The verdicts of ``torchrun --nproc-per-node 2 -m pytest ARGS``, its ranks combined."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     run = _run([*torchrun, "-m", "pytest", *FLAGS, *args], project / name, project)
     assert "cpq steps aside" in run.stdout, run.stdout[-3000:]
     return _combined([json.loads((project / f"{name}-{r}.json").read_text()) for r in (0, 1)])
