@@ -181,3 +181,51 @@ def broker_reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any
             if message.get("k") != "hb":
                 return message
     raise AssertionError(f"no answer from the broker within {timeout_s}s")
+
+
+# ---- verdicts test by test, for comparisons with a fresh torchrun -m pytest
+
+#: A pytest plugin (``-p verdicts``, written into a project) recording each pytest
+#: process's outcome per test id in ``$VERDICTS_OUT-<RANK or client>.json``.
+VERDICTS_PLUGIN = """
+import json
+import os
+
+outcomes = {}
+
+
+def pytest_runtest_logreport(report):
+    now = outcomes.setdefault(report.nodeid, "passed")
+    if report.failed:
+        outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
+    elif report.skipped and now == "passed":
+        outcomes[report.nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("VERDICTS_OUT")
+    if out:
+        with open(f"{out}-{os.environ.get('RANK', 'client')}.json", "w") as handle:
+            json.dump(outcomes, handle)
+"""
+
+
+def combined_verdicts(per_rank: list[dict[str, str]]) -> dict[str, str]:
+    """A fresh torchrun run's verdict per test: its ranks' outcomes combined (failed when
+    any rank failed, skipped when every rank skipped)."""
+    verdicts = {}
+    for nodeid in per_rank[0]:
+        seen = {ranks[nodeid] for ranks in per_rank}
+        for outcome in ("error", "failed", "passed", "xfailed", "skipped"):
+            if outcome in seen:
+                verdicts[nodeid] = outcome
+                break
+    return verdicts
+
+
+def run_with_verdicts(
+    args: list[str], out: Path, cwd: Path, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` in ``cwd`` with the verdicts plugin writing to ``out``."""
+    env = dict(os.environ, VERDICTS_OUT=str(out))
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -15,12 +15,10 @@ fresh run fails the same way. Real torchrun, real broker, real gloo.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import VERDICTS_PLUGIN, combined_verdicts, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -182,41 +180,6 @@ def test_destroy_frees_every_group():
     Utils.inited = False  # last in the file: a fresh run's new rendezvous is not tested
 """
 
-VERDICTS = """
-import json
-import os
-
-outcomes = {}
-
-
-def pytest_runtest_logreport(report):
-    now = outcomes.setdefault(report.nodeid, "passed")
-    if report.failed:
-        outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
-    elif report.skipped and now == "passed":
-        outcomes[report.nodeid] = "skipped"
-
-
-def pytest_sessionfinish(session):
-    out = os.environ.get("VERDICTS_OUT")
-    if out:
-        with open(f"{out}-{os.environ.get('RANK', 'client')}.json", "w") as handle:
-            json.dump(outcomes, handle)
-"""
-
-
-def _combined(per_rank: list[dict[str, str]]) -> dict[str, str]:
-    verdicts = {}
-    for nodeid in per_rank[0]:
-        seen = {ranks[nodeid] for ranks in per_rank}
-        verdicts[nodeid] = next(o for o in ("error", "failed", "passed", "skipped") if o in seen)
-    return verdicts
-
-
-def _run(args: list[str], out: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, VERDICTS_OUT=str(out))
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-
 
 def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
     pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch
@@ -226,7 +189,7 @@ def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
     monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(
-        parallel_state=PARALLEL_STATE, utils=UTILS, test_shaped=TESTS, verdicts=VERDICTS
+        parallel_state=PARALLEL_STATE, utils=UTILS, test_shaped=TESTS, verdicts=VERDICTS_PLUGIN
     )
     project = pytester.path
     args = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "test_shaped.py"]
@@ -238,18 +201,20 @@ def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
         "--nproc-per-node",
         "2",
     ]
-    ref = _run(
+    ref = run_with_verdicts(
         [*torchrun, "-m", "pytest", *args],
         project / "ref",
         project,
     )
-    reference = _combined([json.loads((project / f"ref-{r}.json").read_text()) for r in (0, 1)])
+    reference = combined_verdicts(
+        [json.loads((project / f"ref-{r}.json").read_text()) for r in (0, 1)]
+    )
     assert len(reference) == 12, ref.stdout[-3000:]
     assert reference["test_shaped.py::test_tp_larger_than_world_fails"] == "failed"
     assert reference["test_shaped.py::test_fails_on_rank_one"] == "failed"
     assert reference["test_shaped.py::test_destroy_frees_every_group"] == "passed", ref.stdout
     for session in ("cold", "warm"):
-        run = _run(
+        run = run_with_verdicts(
             [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *args],
             project / f"cpq-{session}",
             project,

@@ -12,12 +12,11 @@ with cpq's plugin loaded: under a launcher it steps aside, which this checks too
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import VERDICTS_PLUGIN, combined_verdicts, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -210,45 +209,11 @@ def test_marked_fails_on_rank_one():
     assert dist.get_rank() == 0
 """
 
-VERDICTS = """
-import json
-import os
-
-outcomes = {}
-
-
-def pytest_runtest_logreport(report):
-    now = outcomes.setdefault(report.nodeid, "passed")
-    if report.failed:
-        outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
-    elif report.skipped and now == "passed":
-        outcomes[report.nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
-
-
-def pytest_sessionfinish(session):
-    out = os.environ.get("VERDICTS_OUT")
-    if out:
-        with open(f"{out}-{os.environ.get('RANK', 'client')}.json", "w") as handle:
-            json.dump(outcomes, handle)
-"""
-
 INI = """
 [pytest]
 filterwarnings =
     error::DeprecationWarning
 """
-
-
-def _combined(per_rank: list[dict[str, str]]) -> dict[str, str]:
-    """The reference's verdict per test: its ranks' outcomes combined."""
-    verdicts = {}
-    for nodeid in per_rank[0]:
-        seen = {ranks[nodeid] for ranks in per_rank}
-        for outcome in ("error", "failed", "passed", "xfailed", "skipped"):
-            if outcome in seen:
-                verdicts[nodeid] = outcome
-                break
-    return verdicts
 
 
 @pytest.fixture
@@ -257,19 +222,14 @@ def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_plain=PLAIN, test_marked=MARKED, verdicts=VERDICTS)
+    pytester.makepyfile(test_plain=PLAIN, test_marked=MARKED, verdicts=VERDICTS_PLUGIN)
     pytester.makeini(INI)
     return pytester.path
 
 
-def _run(args: list[str], out: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, VERDICTS_OUT=str(out))
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-
-
 def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
     pytest_args = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA"]
-    ref = _run(
+    ref = run_with_verdicts(
         [
             sys.executable,
             "-m",
@@ -284,7 +244,7 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
         project,
     )
     assert "cpq steps aside" in ref.stdout, ref.stdout[-3000:]
-    reference = _combined(
+    reference = combined_verdicts(
         [json.loads((project / f"ref-{rank}.json").read_text()) for rank in (0, 1)]
     )
     # What makes a fresh run differ from a warm bare function call, each in the reference:
@@ -295,7 +255,7 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
     assert len(reference) == 25, reference
 
     for session in ("cold", "warm"):
-        run = _run(
+        run = run_with_verdicts(
             [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *pytest_args],
             project / f"cpq-{session}",
             project,
@@ -314,7 +274,7 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
         assert "cpq: 25 task(s)" in run.stdout
 
     # A module marker alone (no --cpq-world-size): the marked tests, the same verdicts.
-    run = _run(
+    run = run_with_verdicts(
         [sys.executable, "-m", "pytest", "test_marked.py", *pytest_args],
         project / "marker",
         project,
