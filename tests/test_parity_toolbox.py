@@ -95,8 +95,9 @@ def test_variables_read_at_import_bind_the_group(parity_broker: str, tmp_path: P
 
 
 def test_own_groups_serve_no_other_session(parity_broker: str, tmp_path: Path) -> None:
-    """A module global a test of another session mutated does not reach a session that
-    asks for its own groups (``--cpq-own-groups``); without it, it does (documented)."""
+    """A module global a test of another session mutated does not reach the next session:
+    the session boundary forgets the project's modules (docs/design.md, "The session
+    boundary"); ``--cpq-own-groups`` gives the same verdict on groups of its own."""
     write(tmp_path / "counter.py", "CALLS = []\n")
     write(
         tmp_path / "test_state.py",
@@ -114,7 +115,7 @@ def test_own_groups_serve_no_other_session(parity_broker: str, tmp_path: Path) -
     first, output = run_pytest(tmp_path, env)
     assert first == {"test_first_call": "passed"}, output
     reused, output = run_pytest(tmp_path, env)
-    assert reused == {"test_first_call": "failed"}, output  # the warm group's global
+    assert reused == {"test_first_call": "passed"}, output  # imported afresh, as new
     own, output = run_pytest(tmp_path, env, "--cpq-own-groups")
     plain, _ = run_pytest(tmp_path, env, plain=True)
     assert own == plain == {"test_first_call": "passed"}, output
