@@ -45,6 +45,9 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: Bound on one captured stream (stdout or stderr) of one rank for one task.
 MAX_CAPTURE_BYTES = 256 * 1024
 
+#: The target of a test the ranks' pytest runs (``cpq.rank.items.run_item``): its deadline
+#: starts when the test's protocol begins (``RankBegun``), not when the rank gets it.
+PYTEST_ITEM_TARGET = "cpq.rank.items:run_item"
 RETRY_NOTE = "[CPQ-RETRY]"
 RETRY_FAIL_NOTE = "[CPQ-RETRY-FAIL]"
 

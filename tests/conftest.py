@@ -186,7 +186,8 @@ def broker_reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any
 # ---- verdicts test by test, for comparisons with a fresh torchrun -m pytest
 
 #: A pytest plugin (``-p verdicts``, written into a project) recording each pytest
-#: process's outcome per test id in ``$VERDICTS_OUT-<RANK or client>.json``.
+#: process's outcome per test id in ``$VERDICTS_OUT-<RANK, xdist worker or client>.json``
+#: (an xdist controller sees every worker's reports: its file is the run's verdicts).
 VERDICTS_PLUGIN = """
 import json
 import os
@@ -205,7 +206,9 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     out = os.environ.get("VERDICTS_OUT")
     if out:
-        with open(f"{out}-{os.environ.get('RANK', 'client')}.json", "w") as handle:
+        env = os.environ
+        who = env.get("RANK") or env.get("PYTEST_XDIST_WORKER") or "client"
+        with open(f"{out}-{who}.json", "w") as handle:
             json.dump(outcomes, handle)
 """
 
@@ -224,8 +227,14 @@ def combined_verdicts(per_rank: list[dict[str, str]]) -> dict[str, str]:
 
 
 def run_with_verdicts(
-    args: list[str], out: Path, cwd: Path, timeout: float = 600
+    args: list[str], out: Path, cwd: Path, timeout: float = 600, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``args`` in ``cwd`` with the verdicts plugin writing to ``out``."""
-    env = dict(os.environ, VERDICTS_OUT=str(out))
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run ``args`` in ``cwd`` with the verdicts plugin writing to ``out`` (and ``env``).
+
+    The run is a process of its own, not a worker of this suite's xdist: this worker's
+    ``PYTEST_XDIST_*`` variables are not passed on (they would name its verdicts file)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    environ.update(env, VERDICTS_OUT=str(out))
+    return subprocess.run(
+        args, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout
+    )

@@ -23,11 +23,12 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from conftest import ROOT, broker_reply
+from conftest import ROOT, broker_reply, start_broker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpq import Client, EncodeError, protocol, wirecheck
+from cpq.client.autostart import stop_broker
 
 WS = 2
 NOOP = "workers.collectives:noop"
@@ -134,13 +135,24 @@ def test_malformed_frame_is_answered_with_an_error(
         assert client.status()["totals"]["malformed"] == before + 1
 
 
-def test_raw_requests_leave_the_broker_serving(raw: zmq.Socket[Any], client: Client) -> None:
-    for frame, _ in (p.values for p in [*REJECTED, *MALFORMED]):
-        raw.send(frame)
-    for _ in range(len(REJECTED) + len(MALFORMED)):
-        assert broker_reply(raw)["k"] in ("done", "error")
-    serves(client)
-    assert client.status()["queue"] == []  # nothing was queued by any of them
+def test_raw_requests_leave_the_broker_serving(tmp_path: Path) -> None:
+    # A broker of its own: the shared one's queue holds other files' tasks under xdist.
+    process, endpoint = start_broker(tmp_path / "state", "--max-ranks", "2", "--memory", "0")
+    context = zmq.Context.instance()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(endpoint)
+        for frame, _ in (p.values for p in [*REJECTED, *MALFORMED]):
+            raw.send(frame)
+        for _ in range(len(REJECTED) + len(MALFORMED)):
+            assert broker_reply(raw)["k"] in ("done", "error")
+        with Client(endpoint, name="after-raw") as private:
+            serves(private)
+            assert private.status()["queue"] == []  # nothing was queued by any of them
+    finally:
+        raw.close()
+        stop_broker(process)
 
 
 # --------------------------------------------------------------------------- client side

@@ -14,22 +14,15 @@ controller's summary.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import VERDICTS_PLUGIN, run_with_verdicts
 
 pytest_plugins = ["pytester"]
-
-#: Why the tests marked with it are skipped for now (the closing note of 2026-12-03).
-MERGE_BROKEN = (
-    "known broken after the merge of the session boundary and rank-session work "
-    "(closing note of 2026-12-03): "
-)
 
 MYLIB = """
 STATE = []
@@ -77,29 +70,6 @@ def test_f_expects_it_empty(cpq):
     cpq.run("mylib:check_empty")
 """
 
-VERDICTS = """
-import json
-import os
-
-outcomes = {}
-
-
-def pytest_runtest_logreport(report):
-    now = outcomes.setdefault(report.nodeid, "passed")
-    if report.failed:
-        outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
-    elif report.skipped and now == "passed":
-        outcomes[report.nodeid] = "skipped"
-
-
-def pytest_sessionfinish(session):
-    out = os.environ.get("VERDICTS_OUT")
-    if out:
-        who = os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("RANK", "client")
-        with open(f"{out}-{who}.json", "w") as handle:
-            json.dump(outcomes, handle)
-"""
-
 ARGS = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist"]
 WARM_ONLY = "failed warm, passed on a fresh group"
 BOTH = "failed fresh too"
@@ -111,22 +81,16 @@ def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     for name in ("CPQ_WORLD_SIZE", "CPQ_CONFIRM_FRESH"):
         monkeypatch.delenv(name, raising=False)
-    pytester.makepyfile(mylib=MYLIB, test_state=SUITE, test_fixture=FIXTURE, verdicts=VERDICTS)
+    pytester.makepyfile(
+        mylib=MYLIB, test_state=SUITE, test_fixture=FIXTURE, verdicts=VERDICTS_PLUGIN
+    )
     return pytester.path
-
-
-def _run(args: list[str], out: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = dict(os.environ, VERDICTS_OUT=str(out), **env)
-    return subprocess.run(args, cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
 
 
 def _verdicts(out: Path) -> dict[str, str]:
     return dict(json.loads(Path(f"{out}-client.json").read_text()))
 
 
-@pytest.mark.skip(
-    reason=MERGE_BROKEN + "the fresh torchrun reference writes no verdicts under xdist"
-)
 def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -> None:
     # The reference: each test of the torchrun-style suite alone in a fresh torchrun -m pytest.
     reference = {}
@@ -140,7 +104,7 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
             "--nproc-per-node",
             "1",
         ]
-        ref = _run([*torchrun, "-m", "pytest", nodeid, *ARGS], project / name, project)
+        ref = run_with_verdicts([*torchrun, "-m", "pytest", nodeid, *ARGS], project / name, project)
         assert "cpq steps aside" in ref.stdout or ref.returncode in (0, 1), ref.stdout[-2000:]
         reference.update(json.loads((project / f"{name}-0.json").read_text()))
     assert reference == {
@@ -155,7 +119,7 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
     cpq = [sys.executable, "-m", "pytest", "--cpq-world-size", "1", *ARGS, "-v", "-rA"]
     files = ["test_state.py", "test_fixture.py"]
     # Without the option, B and F fail: A's and E's state reached them on a warm group.
-    plain = _run([*cpq, *files], project / "plain", project)
+    plain = run_with_verdicts([*cpq, *files], project / "plain", project)
     warm = _verdicts(project / "plain")
     differ = {k for k in fresh if fresh[k] != warm.get(k)}
     assert differ == {
@@ -166,7 +130,7 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
 
     # With it (here by its variable): every verdict is the fresh run's, labelled.
     junit = project / "junit.xml"
-    run = _run(
+    run = run_with_verdicts(
         [*cpq, f"--junitxml={junit}", *files],
         project / "confirmed",
         project,
@@ -201,9 +165,6 @@ def test_a_warm_only_failure_gets_the_fresh_verdict_and_says_so(project: Path) -
     }
 
 
-@pytest.mark.skip(
-    reason=MERGE_BROKEN + "the fresh torchrun reference writes no verdicts under xdist"
-)
 def test_under_xdist_and_a_rerun_plugin_the_verdicts_stay_fresh(project: Path) -> None:
     """Each worker confirms its own tests; every protocol run pytest-rerunfailures makes is
     confirmed alike; the controller's summary counts what the workers' lines list."""
@@ -220,7 +181,7 @@ def test_under_xdist_and_a_rerun_plugin_the_verdicts_stay_fresh(project: Path) -
         "-p",
         "no:randomly",
     ]
-    run = _run(
+    run = run_with_verdicts(
         [sys.executable, "-m", "pytest", *args, "test_state.py", "test_fixture.py"],
         project / "xdist",
         project,

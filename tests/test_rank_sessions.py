@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_ranks_run_pytest import VERDICTS, _combined, _run
+from conftest import VERDICTS_PLUGIN, combined_verdicts, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -186,7 +186,7 @@ def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
     pytester.makeini(INI)
     pytester.makeconftest(ROOT_CONFTEST)
-    pytester.makepyfile(verdicts=VERDICTS)
+    pytester.makepyfile(verdicts=VERDICTS_PLUGIN)
     files = {
         "tests/conftest.py": TESTS_CONFTEST,
         "tests/ckpt/conftest.py": FOLDER_CONFTEST.format(folder="ckpt"),
@@ -212,14 +212,16 @@ def _fresh(project: Path, args: list[str], name: str) -> dict[str, str]:
         "--nproc-per-node",
         "2",
     ]
-    run = _run([*torchrun, "-m", "pytest", *FLAGS, *args], project / name, project)
+    run = run_with_verdicts([*torchrun, "-m", "pytest", *FLAGS, *args], project / name, project)
     assert "cpq steps aside" in run.stdout, run.stdout[-3000:]
-    return _combined([json.loads((project / f"{name}-{r}.json").read_text()) for r in (0, 1)])
+    return combined_verdicts(
+        [json.loads((project / f"{name}-{r}.json").read_text()) for r in (0, 1)]
+    )
 
 
 def _warm(project: Path, args: list[str], name: str) -> tuple[dict[str, str], str]:
     command = [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *FLAGS, *args]
-    run = _run(command, project / name, project)
+    run = run_with_verdicts(command, project / name, project)
     path = project / f"{name}-client.json"
     assert path.exists(), run.stdout[-4000:] + run.stderr[-2000:]
     return json.loads(path.read_text()), run.stdout
@@ -270,8 +272,8 @@ def test_a_marker_cpq_cannot_use_fails_only_its_test(
     monkeypatch.setenv("CPQ_ENDPOINT", broker)
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
-    pytester.makepyfile(test_markers=BAD_MARKERS, verdicts=VERDICTS)
-    run = _run(
+    pytester.makepyfile(test_markers=BAD_MARKERS, verdicts=VERDICTS_PLUGIN)
+    run = run_with_verdicts(
         [sys.executable, "-m", "pytest", *FLAGS, "test_markers.py"],
         pytester.path / "markers",
         pytester.path,

@@ -198,6 +198,36 @@ def test_a_fixture_that_hangs_is_still_ended_by_pytest_timeout(
     assert time.monotonic() - started < 90  # the backstop, not the fixture's 120 s
 
 
+SLOW_CONFTEST = """
+import time
+
+time.sleep(3)  # stands for a slow import (a plugin pulling in a big library)
+"""
+
+QUICK = """
+import pytest
+
+
+@pytest.mark.cpq(world_size=2)
+def test_quick():
+    pass
+"""
+
+
+def test_a_slow_session_build_is_not_the_first_tests_time(
+    pytester: pytest.Pytester, private_broker: str
+) -> None:
+    """pytest-timeout times a test, not the conftests and plugins its session imports: a
+    rank's session build (3 s here) is not charged to a 2 s timeout, as in a fresh run."""
+    pytester.makeini("[pytest]\nmarkers =\n    cpq(world_size=2): runs on torchrun ranks\n")
+    pytester.makeconftest(SLOW_CONFTEST)
+    pytester.makepyfile(test_quick=QUICK)
+    fresh = run(pytester, "-p", "no:cpq", "--timeout", "2")
+    warm = run(pytester, "--timeout", "2")
+    assert "1 passed" in fresh, fresh
+    assert "1 passed" in warm, warm
+
+
 def test_cpq_retries_0_runs_a_hang_once(
     pytester: pytest.Pytester, shared: str, tmp_path: Path
 ) -> None:

@@ -98,6 +98,8 @@ class Task:
     group: Group | None = None
     started_at: float = 0.0
     deadline: float = 0.0
+    #: A rank has begun the test's own protocol (``RankBegun``): the deadline is the test's.
+    begun: bool = False
     results: dict[int, RankResult] = field(default_factory=dict)
     grace_until: float | None = None
     # Stack collection (after a deadline or a peer's failure): why, until when, what came back.

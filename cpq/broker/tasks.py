@@ -34,7 +34,7 @@ from cpq.broker.queues import Queues
 from cpq.broker.startenv import StartBound
 from cpq.broker.timeline import Timeline
 from cpq.broker.verdicts import Verdicts, join, verdict
-from cpq.protocol import RankResult
+from cpq.protocol import PYTEST_ITEM_TARGET, RankResult
 
 log = logging.getLogger("cpq.broker")
 
@@ -163,7 +163,13 @@ class Tasks:
         task.last_group_id = group.id
         task.started_at = now
         self.timeline.started(task, group)
-        task.deadline = now + task.timeout_s
+        # A test run by the ranks' pytest starts its clock at its protocol (``rank_begun``):
+        # until then the rank builds its pytest session (plugins, conftests, collection),
+        # which pytest-timeout in a fresh run does not count either. That build gets the
+        # start allowance a group's spawn gets; a test's own deadline begins after it.
+        building = task.submit.target == PYTEST_ITEM_TARGET
+        task.deadline = now + task.timeout_s + (self.config.start_timeout_s if building else 0)
+        task.begun = False
         task.results.clear()
         task.pg_seqs.clear()
         task.groups.append(group.id)
@@ -251,7 +257,10 @@ class Tasks:
         task = group.task
         if task is None or task.submit.task_id != message.task_id or task.stacks_until:
             return
-        task.deadline = max(task.deadline, self.clock.monotonic() + task.timeout_s)
+        # The first rank to begin ends the build's allowance; a later one may only extend it.
+        end = self.clock.monotonic() + task.timeout_s
+        task.deadline = max(task.deadline, end) if task.begun else end
+        task.begun = True
 
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
         task = group.task

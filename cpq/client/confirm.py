@@ -108,11 +108,15 @@ def attach(item: pytest.Item, report: pytest.TestReport) -> None:
         item.stash[_PENDING] = (label, "")  # attached once
 
 
-def label_of(report: pytest.TestReport) -> str:
-    return next((str(v) for k, v in report.user_properties if k == PROPERTY), "")
+def label_of(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The confirmation's label on ``report`` ("" none; a collection report has none)."""
+    properties = getattr(report, "user_properties", ())
+    return next((str(v) for k, v in properties if k == PROPERTY), "")
 
 
-def teststatus(report: pytest.TestReport) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
+def teststatus(
+    report: pytest.TestReport | pytest.CollectReport,
+) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
     """``-v``'s word for a confirmed test: its outcome and the label."""
     label = label_of(report)
     if not label or hasattr(report, "wasxfail"):

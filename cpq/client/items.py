@@ -36,7 +36,7 @@ from cpq.client.report import BrokerGone, CpqTaskFailed, report_result
 from cpq.protocol import TaskResult
 
 #: What the ranks run (``cpq.rank.items.run_item``).
-TARGET = "cpq.rank.items:run_item"
+TARGET = protocol.PYTEST_ITEM_TARGET
 WORLD_SIZE_VAR = "CPQ_WORLD_SIZE"
 
 

@@ -9,9 +9,15 @@ broker collects every rank's stack, stops the task's group (the next test runs o
 group, without waiting for a spawn) and the test fails with pytest-timeout's own message
 followed by where each rank was. The task is not retried.
 
-pytest-timeout's own timer still runs, :data:`BACKSTOP_S` later than the test's timeout: it
-bounds what the broker's deadline cannot — a fixture that hangs in the test's setup or
-teardown, a verdict that never comes — as it would in a fresh run (with that much slack).
+The deadline runs from the moment a rank begins the test's protocol: the rank's pytest
+session build before it (plugins, conftests, collection; the broker allows it the start
+allowance a spawn gets) is not the test's time, as pytest-timeout does not time a fresh
+run's collection either.
+
+pytest-timeout's own timer still runs, :data:`BACKSTOP_S` later than the test's timeout and
+the build's allowance: it bounds what the broker's deadline cannot — a fixture that hangs
+in the test's setup or teardown, a verdict that never comes — as it would in a fresh run
+(with that much slack).
 
 Tests using the ``cpq`` fixture run their body here; pytest-timeout times them as usual,
 and the client cancels the task it was waiting for when the timeout interrupts it.
@@ -35,6 +41,9 @@ FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
 #: How much later than the test's timeout pytest-timeout's own timer fires: after the
 #: broker's deadline, its stack collection and the verdict's way back.
 BACKSTOP_S = 10.0
+#: What the broker allows a rank's pytest session build before the test's deadline starts
+#: (its ``--start-timeout``'s default): the backstop waits for it too.
+BUILD_ALLOWANCE_S = 300.0
 
 
 def _runs_on_ranks(item: pytest.Item) -> bool:
@@ -51,7 +60,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None
     item.stash[TIMER_KEY] = (float(getattr(settings, "timeout")), time.monotonic())  # noqa: B009
     import pytest_timeout  # here only when pytest-timeout calls: it is installed
 
-    later = settings._replace(timeout=item.stash[TIMER_KEY][0] + BACKSTOP_S)
+    later = settings._replace(timeout=item.stash[TIMER_KEY][0] + BUILD_ALLOWANCE_S + BACKSTOP_S)
     pytest_timeout.pytest_timeout_set_timer(item, later)  # the backstop (module docstring)
     return True
 

@@ -44,9 +44,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpq.protocol import PYTEST_ITEM_TARGET
 from cpq.rank import generators, reset
 
-TARGET = "cpq.rank.items:run_item"
+TARGET = PYTEST_ITEM_TARGET
 
 #: Plugins that do the calling process's work (see the module docstring).
 BLOCKED_PLUGINS = (

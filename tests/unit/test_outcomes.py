@@ -192,6 +192,33 @@ def test_a_rank_that_begins_the_test_late_moves_the_deadline() -> None:
     assert len(sim.sent_to_ranks(protocol.DumpStacks)) == 2
 
 
+def test_a_session_build_longer_than_the_timeout_is_not_a_hang() -> None:
+    """A pytest item's deadline waits for the rank's session build (the start allowance):
+    a 12 s build under a 10 s timeout is not ended; the test's own 10 s follow it."""
+    sim = Sim(stack_wait_s=2.0)
+    sim.client()
+    task = sim.submit(pool_spec=spec(2), timeout=10, target=protocol.PYTEST_ITEM_TARGET)
+    sim.bring_up("g1")
+    sim.tick(12.0)  # plugins and conftests imported for 12 s
+    assert not sim.sent_to_ranks(protocol.DumpStacks)
+    sim.rank_send(Sim.rank_id("g1", 0), protocol.RankBegun(task_id=task, rank=0))
+    sim.tick(9.9)
+    assert not sim.sent_to_ranks(protocol.DumpStacks)
+    sim.tick(0.2)  # 10 s after the first rank began: rank 1 never did, a hang
+    assert len(sim.sent_to_ranks(protocol.DumpStacks)) == 2
+
+
+def test_a_function_task_has_no_build_allowance() -> None:
+    """A target other than a pytest item sends no ``rank_begun``: its deadline runs from
+    dispatch."""
+    sim = Sim(stack_wait_s=2.0)
+    sim.client()
+    sim.submit(pool_spec=spec(2), timeout=10)
+    sim.bring_up("g1")
+    sim.tick(10.1)
+    assert len(sim.sent_to_ranks(protocol.DumpStacks)) == 2
+
+
 def test_a_second_infra_failure_is_the_verdict() -> None:
     sim = Sim()
     sim.client()
