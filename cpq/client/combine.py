@@ -75,18 +75,19 @@ def combine_phase(
     failed = [(rank, report) for rank, report in present if report.failed]
     skipped = [(rank, report) for rank, report in present if report.skipped]
     every_xfail = all(hasattr(report, "wasxfail") for _, report in present)
+    notes: list[tuple[str, str]] = []  # cpq's sections, added once the phase's are set
     if failed:
         first, base = failed[0]
         same = [rank for rank, report in failed if report.longreprtext == base.longreprtext]
         for rank, report in failed:
             if rank not in same:
-                add_section(base, f"rank {rank}", full_text(report))
+                notes.append((f"rank {rank}", full_text(report)))
         whose = f"the report above is rank {first}'s"
         if len(same) > 1:
             whose += f", the same on rank(s) {same[1:]}"
         failing = [rank for rank, _ in failed]
-        add_section(
-            base, "cpq", f"failed on rank(s) {failing} of {world_size} (group {group}); {whose}"
+        notes.append(
+            ("cpq", f"failed on rank(s) {failing} of {world_size} (group {group}); {whose}")
         )
     elif skipped and len(skipped) < len(present) and not every_xfail:
         base = present[0][1]
@@ -103,6 +104,8 @@ def combine_phase(
     else:
         base = present[0][1]
     base.sections = _sections(present, world_size)
+    for name, text in notes:
+        add_section(base, name, text)
     base.duration = max(report.duration for _, report in present)
     starts = [getattr(report, "start", 0.0) for _, report in present]
     stops = [getattr(report, "stop", 0.0) for _, report in present]
@@ -122,46 +125,15 @@ def _setup_only(config: pytest.Config) -> bool:
 
 def add_section(report: pytest.TestReport, name: str, text: str) -> None:
     """A titled section after a failure's report, under pytest's full-width separator: the
-    report's own sections where it has them (a traceback), else a text that prints its
-    sections as pytest does (a fixture not found, a strict XPASS)."""
+    traceback's own sections where the report is one; else (a text: a fixture not found,
+    a strict XPASS) the report's sections, which pytest prints after it the same way. Not
+    into the text: JUnit's failure message is the text itself, and must read as a fresh
+    run's (``tests/fanout/test_pytest_fidelity.py``)."""
     longrepr: Any = report.longrepr
     if hasattr(longrepr, "addsection"):
         longrepr.addsection(name, text)
-    elif isinstance(longrepr, SectionedText):
-        report.longrepr = SectionedText(longrepr.text, [*longrepr.sections, (name, text)])
     else:
-        report.longrepr = SectionedText(str(longrepr), [(name, text)])
-
-
-class SectionedText(str):
-    """A failure's text with titled sections after it. pytest prints it (``toterminal``) as
-    it prints a traceback's sections: each title in a separator as wide as the terminal. As
-    a string (JUnit, pytest-xdist's workers, the short summary) it is the same text with
-    80-column separators."""
-
-    text: str
-    sections: list[tuple[str, str]]
-
-    def __new__(cls, text: str, sections: list[tuple[str, str]]) -> SectionedText:
-        lines = [text]
-        for name, content in sections:
-            lines += [_separator(name, 80), content]
-        made = super().__new__(cls, "\n".join(lines))
-        made.text, made.sections = text, list(sections)
-        return made
-
-    def toterminal(self, out: Any) -> None:
-        out.line(self.text)
-        for name, content in self.sections:
-            out.sep("-", name)
-            out.line(content)
-
-
-def _separator(title: str, width: int) -> str:
-    """pytest's ``TerminalWriter.sep("-", title)`` at ``width`` columns."""
-    fill = "-" * max((width - len(title) - 2) // 2, 1)
-    line = f"{fill} {title} {fill}"
-    return line + "-" if len(line) + 1 <= width else line
+        report.sections.append((name, text))
 
 
 def full_text(report: pytest.TestReport) -> str:

@@ -28,7 +28,11 @@ Two kinds of binding:
   group (a spare when there is one).
 
 A variable the process sets itself while importing (``os.environ.setdefault``) is the
-library's, not the caller's: it binds nothing.
+library's, not the caller's: it binds nothing. A path list (a name ending in ``PATH``)
+compares as a spec keeps it (:func:`cpq.environ.fold_paths`): the routing folder that
+``pytest --cpq-torchrun`` puts in front of ``PATH`` holds only cpq's ``torchrun`` shim, so
+a launch whose ``PATH`` differs by it alone runs on the warm group (before, every launch
+session refused its first group: something torch imports reads ``PATH``).
 """
 
 from __future__ import annotations
@@ -149,7 +153,17 @@ def differs(environ: dict[bytes, bytes] | None = None) -> tuple[str, bool]:
     ``("", False)`` when none does. Reads the environment's own store, not recording."""
     data: dict[bytes, bytes] = os.environ._data if environ is None else environ  # type: ignore[attr-defined]
     for key, value in _expected.items():
-        if data.get(key) != value:
+        now = data.get(key)
+        if now != value and not _same_path_list(key, now, value):
             name = os.fsdecode(key)
             return name, name in start_names
     return "", False
+
+
+def _same_path_list(key: bytes, now: bytes | None, then: bytes | None) -> bool:
+    """Two values of a path list that search the same folders but cpq's routing folder."""
+    if not key.endswith(b"PATH") or now is None or then is None:
+        return False
+    from cpq.environ import fold_paths
+
+    return fold_paths(os.fsdecode(now)) == fold_paths(os.fsdecode(then))

@@ -28,12 +28,6 @@ from cpq.fanout import cli
 
 pytest_plugins = ["pytester"]
 
-#: Why the tests marked with it are skipped for now (the closing note of 2026-12-03).
-MERGE_BROKEN = (
-    "known broken after the merge of the session boundary and rank-session work "
-    "(closing note of 2026-12-03): "
-)
-
 BASE = ("-p", "cpq.client.plugin", "-p", "no:cacheprovider")
 
 OUTCOMES = """
@@ -109,7 +103,6 @@ def _plain_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CPQ_RUN_ID", "run-1")
 
 
-@pytest.mark.skip(reason=MERGE_BROKEN + "a strict XPASS's JUnit text carries cpq's section")
 @pytest.mark.usefixtures("_plain_plugins", "broker")
 def test_merged_junit_of_shards_on_the_ranks_is_pytests(
     pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
@@ -175,9 +168,6 @@ def group_starts(timeline: Path) -> float:
     return sum(ready[g] - t for g, t in spawned.items() if g in ready)
 
 
-@pytest.mark.skip(
-    reason=MERGE_BROKEN + "the launches' wait (5 s) and the timeline's group starts (14 s) differ"
-)
 def test_group_starts_of_torchrun_launches_are_spawn_waits_not_test_time(
     pytester: pytest.Pytester, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -59,6 +59,20 @@ def test_a_read_during_an_import_binds_and_a_read_at_call_time_does_not(
     assert importenv.differs() == ("TPL_T_LEVEL", False)
 
 
+def test_a_path_list_that_differs_by_cpqs_routing_folder_alone_binds_the_same(
+    tracked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--cpq-torchrun`` puts its routing folder (only cpq's ``torchrun`` shim) in front of
+    ``PATH``: a launch with it is the same search as the group's start, not a new group."""
+    monkeypatch.setenv("TPL_T_PATH", "/usr/bin:/bin")
+    importenv.start_done()
+    _import(tracked, "cpq_t_paths", "import os\nWHERE = os.environ.get('TPL_T_PATH')\n")
+    monkeypatch.setenv("TPL_T_PATH", "/state/torchrun-route-1a2b:/usr/bin:/bin")
+    assert importenv.differs() == ("", False)
+    monkeypatch.setenv("TPL_T_PATH", "/opt/other/bin:/usr/bin:/bin")  # another search
+    assert importenv.differs() == ("TPL_T_PATH", False)
+
+
 def test_the_harness_variables_bind_nothing(tracked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A library that copies the whole environment at import reads PYTEST_CURRENT_TEST,
     which changes with every test: binding it would cost a fresh group per test."""
