@@ -66,6 +66,7 @@ FEATURE_KINDS: dict[str, frozenset[str]] = {
     "broker-closing": frozenset({"closing"}),
     "pdb-relay": frozenset({"debug_attach", "debug_line", "debug_output"}),
     "rank-pytest": frozenset({"rank_begun"}),
+    "idle-stale": frozenset({"rank_stale"}),
 }
 ALL_FEATURES = frozenset(FEATURE_FIELDS) | frozenset(FEATURE_KINDS)
 

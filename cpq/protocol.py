@@ -301,6 +301,17 @@ class RankStacks(Message):
 
 
 @dataclass
+class RankStale(Message):
+    """An idle rank, between callers, found a file it loaded changed on disk (feature
+    ``idle-stale``): the broker stops its group now instead of when the next task would be
+    refused, so that groups for code nobody runs any more do not pile up."""
+
+    KIND: ClassVar[str] = "rank_stale"
+    rank: int
+    path: str
+
+
+@dataclass
 class RankBegun(Message):
     """A rank has built its pytest session and collected the test's module and now starts
     the test's protocol (feature ``rank-pytest``): the deadline counts from here, as

@@ -97,6 +97,31 @@ def test_after_an_edit_of_a_helper_the_next_task_runs_on_the_spare(
     assert first.group_id not in pools or pools[first.group_id]["state"] == "stopping"
 
 
+def test_an_idle_group_whose_code_changed_is_stopped_without_a_task(
+    spare_client: Client, tmp_path: Path
+) -> None:
+    """Issue 37: a group for code that changed since it started goes when it is idle, not
+    when a task next finds it stale; its stop reason names the file."""
+    project = tmp_path / "idle-project"  # its own helper: the module's project is edited above
+    project.mkdir()
+    (project / "spare_targets.py").write_text(textwrap.dedent(TARGETS))
+    (project / "spare_helper.py").write_text("def value():\n    return 1\n")
+    first = run(spare_client, project, "read")
+    assert first.outcome == "passed" and first.value == 1
+    helper = project / "spare_helper.py"
+    helper.write_text("def value():\n    return 2\n")
+    saved = time.time_ns() - 1_000_000_000
+    os.utime(helper, ns=(saved, saved))
+
+    def stopped(status: dict[str, Any]) -> bool:
+        pools = {p["id"]: p for p in status["pools"]}
+        return first.group_id not in pools or pools[first.group_id]["state"] == "stopping"
+
+    wait_for_status(spare_client, "the stale group stopped", stopped, within=60)
+    log = (Path(spare_client.status()["broker"]["log_dir"]).parent / "broker.stdout").read_text()
+    assert f"code changed since it started: {helper}" in log, log[-3000:]
+
+
 def test_after_a_failure_that_recycled_a_group_the_next_task_runs_on_the_spare(
     spare_client: Client, project: Path
 ) -> None:

@@ -238,6 +238,13 @@ class Pools:
         grace = self.config.kill_grace_s if grace_s is None else grace_s
         group.process.terminate(self.clock.monotonic() + grace)
 
+    def rank_stale(self, group: Group, message: protocol.RankStale) -> None:
+        """An idle rank found its code changed (``RankStale``): stop the group now. A group
+        that took a task meanwhile is left to that task's own check, which refuses it."""
+        if group.state != "idle" or group.task is not None:
+            return
+        self.stop(group, f"code changed since it started: {message.path}")
+
     def fail(self, group: Group, reason: str) -> None:
         """A rank died, went silent, or the group never came up: stop it, report it."""
         if group.state == "stopping":

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from cpq import paths
-from cpq.fanout.cli import add_merge_arguments, guarded
 from cpq.timings import TIMINGS_FILE
 
 EXIT_CODES = {"passed": 0, "failed": 1, "error": 2, "skipped": 3}
@@ -337,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "merge",
         help="check and combine CI fan-out shard results (exit 0/1/2, 3 internal, 4 bad input)",
     )
+    from cpq.fanout.cli import add_merge_arguments, guarded  # a launch never pays for it
+
     add_merge_arguments(merge)
     merge.set_defaults(run=guarded)
     try:

@@ -103,6 +103,8 @@ class Link:
         self.busy = True  # the main thread starts busy: init, preloads
         self.last_heard = self.last_sent = time.monotonic()
         self._heartbeat = protocol.encode(protocol.Heartbeat())
+        #: Called by the main thread between its polls while it waits for a task (idle).
+        self.on_idle: Callable[[], None] | None = None
         #: Frames from the broker that were junk (see :meth:`_on_broker_frame`).
         self.malformed = 0
         #: The kinds a broker sends a rank, each to its handler (docs/design.md "Wire").
@@ -137,6 +139,8 @@ class Link:
             if self.shutting_down:
                 return None
             self.pump(int(self.config.heartbeat_s * 500))
+            if self.on_idle is not None and not self.tasks:
+                self.on_idle()
         return self.tasks.popleft()
 
     def next_debug(self, task_id: str) -> protocol.DebugAttach | None:

@@ -496,6 +496,11 @@ def close_current() -> None:
     _forget_test_modules()
 
 
+def in_session() -> bool:
+    """Whether a calling session's tests run here (its code is what its first test saw)."""
+    return _current is not None
+
+
 def continues(task: Any) -> bool:
     """Whether ``task`` is the next test of the calling session whose tests run here now."""
     return (

@@ -340,6 +340,37 @@ def _began_sender(
     return send
 
 
+#: How many heartbeats apart an idle rank looks at its code (5 s at the default 1 s).
+IDLE_CHECKS = 5
+
+
+def _idle_code_check(link: Link, watch: CodeWatch, config: RankConfig) -> Callable[[], None]:
+    """What the idle main thread runs between polls: every ``IDLE_CHECKS`` heartbeats, when
+    no calling session is open here, whether a file this rank loaded changed; the first
+    change found is told to the broker once (``RankStale``), which stops the idle group.
+
+    Why: a group for code that changed would refuse its next task anyway (the check at a
+    task's start); until then it holds its memory (and GPUs) for code nobody runs. Not
+    inside a session: a fresh pytest process keeps the code its first test saw, and so
+    does the session's group until its caller's last test. Cost: a ``stat`` per watched
+    file every few seconds, while idle."""
+    every = config.heartbeat_s * IDLE_CHECKS
+    state = {"next": time.monotonic() + every, "said": False}
+
+    def check() -> None:
+        now = time.monotonic()
+        if state["said"] or now < float(state["next"]) or items.in_session():
+            return
+        state["next"] = now + every
+        path = watch.changed()
+        if path:
+            log.info("idle, and %s changed since this group loaded it", path)
+            link.send(protocol.encode(protocol.RankStale(rank=config.rank, path=path)))
+            state["said"] = True
+
+    return check
+
+
 def _pg_sequence() -> int:
     """The default process group's collective count so far (-1 where torch cannot say)."""
     try:
@@ -477,6 +508,8 @@ def main() -> None:
     boundary.mark_ready()  # the modules every later session and launch starts from
     boundary.on_forget(watch.forget)  # a forgotten module's file is read afresh, not watched
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
+    if check_code and "idle-stale" in features:
+        link.on_idle = _idle_code_check(link, watch, config)
     last_env: dict[str, str] | None = None
     profile = _TaskProfile.from_env(config.rank)
     while (task := link.next_task()) is not None:

@@ -442,3 +442,26 @@ def test_idle_groups_never_hold_cores_and_memory_evicts_the_least_recently_used(
             sim.tick(0.05)
         sim.bring_up("g3")
         assert sim.states()["g3"] == "busy"
+
+
+def test_an_idle_rank_whose_code_changed_stops_its_group_and_the_spare_serves() -> None:
+    """``RankStale`` from an idle group: stopped now (its memory is not held for code
+    nobody runs), named in its stop reason; the next task runs on the spare."""
+    sim, _ = warm_with_spare()
+    sim.rank_send(Sim.rank_id("g1", 0), protocol.RankStale(rank=0, path="/p/helpers.py"))
+    assert sim.states()["g1"] == "stopping"
+    assert (
+        "code changed since it started: /p/helpers.py" in sim.broker.pools.groups["g1"].stop_reason
+    )
+    task = sim.submit()
+    assert sim.running("g2") == task
+
+
+def test_a_busy_groups_stale_report_is_left_to_its_tasks_own_check() -> None:
+    """A task reached the group while its report was on the way: the task's check at its
+    start refuses it (a fresh group runs it); the report itself stops nothing."""
+    sim, _ = warm_with_spare()
+    task = sim.submit()
+    busy = next(g for g, state in sim.states().items() if state == "busy")
+    sim.rank_send(Sim.rank_id(busy, 0), protocol.RankStale(rank=0, path="/p/helpers.py"))
+    assert sim.states()[busy] == "busy" and sim.running(busy) == task
