@@ -220,7 +220,9 @@ def test_autostart_race_ends_with_one_broker(
         with Client(endpoint) as client:
             status = client.status()
         assert status["totals"]["submitted"] == 2
-        assert log.count("starting group ") == 1, log  # one group (and maybe its spare)
+        # One group per session at most (and maybe a spare): the two sessions' tests may
+        # overlap, and a task that waits past --scale-up-after gets a group of its own.
+        assert 1 <= log.count("starting group ") <= 2, log
     finally:
         subprocess.run(
             [sys.executable, "-m", "cpq", "stop", "--endpoint", endpoint],

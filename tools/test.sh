@@ -75,7 +75,8 @@ if ((workers > 0)); then
     xdist=(-n "$workers" --dist loadfile)
 fi
 status=0
-python -m pytest -q "${xdist[@]}" "${pytest_args[@]}" || status=$?
+# --durations=25: the slowest tests in the log, against the suite's 20-minute aim.
+python -m pytest -q --durations=25 "${xdist[@]}" "${pytest_args[@]}" || status=$?
 
 # The second environment (see the top). The oldest is pyproject's lower bound and the newest
 # the latest release (tests/unit/test_pytest_versions.py keeps them in step).
