@@ -5,11 +5,10 @@ tests) need no edit: with ``--cpq-torchrun`` (ini ``cpq_torchrun``, env ``CPQ_TO
 this process puts a folder in front of ``PATH`` and ``PYTHONPATH`` for everything the tests
 start:
 
-* ``torchrun`` there is a two-line shell script: ``python -m cpq.client.torchrun "$@"``
-  (``cpq torchrun`` without the ``cpq`` command line's imports);
+* ``torchrun`` there is a two-line shell script: ``python -m cpq torchrun "$@"``;
 * ``sitecustomize.py`` there is a start-up hook every Python child runs: an interpreter
   started as ``python -m torch.distributed.run`` (or ``torch.distributed.launch``, whose
-  ``--local-rank`` argument each rank then gets) becomes ``python -m cpq.client.torchrun`` with the
+  ``--local-rank`` argument each rank then gets) becomes ``python -m cpq torchrun`` with the
   same arguments; any other interpreter pays a look at its command line and a search of
   ``sys.path`` for the ``sitecustomize`` this one shadows, which it then runs.
 
@@ -63,7 +62,7 @@ ENV_VAR = "CPQ_TORCHRUN"
 REAL_VAR = "CPQ_TORCHRUN_REAL"
 _SHIM = """#!/bin/sh
 # cpq (pytest --cpq-torchrun): this launch runs on a warm group
-exec {python} -m cpq.client.torchrun "$@"
+exec {python} -m cpq torchrun "$@"
 """
 
 _HOOK = '''"""cpq's start-up hook (pytest --cpq-torchrun): see cpq/client/launches.py."""
@@ -82,7 +81,7 @@ def _cpq_route():
     args = argv[at + 2 :]
     if module == "torch.distributed.launch":
         args = ["--cpq-launch-local-rank", *args]
-    os.execv(sys.executable, [sys.executable, "-m", "cpq.client.torchrun", *args])
+    os.execv(sys.executable, [sys.executable, "-m", "cpq", "torchrun", *args])
 
 
 def _cpq_chain():

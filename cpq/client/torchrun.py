@@ -448,7 +448,7 @@ def patch_run(module: Any) -> None:
         with tempfile.TemporaryDirectory(prefix="cpq-run-") as folder:
             path = os.path.join(folder, "failures.json")
             env = dict(os.environ, **{FAILURES_VAR: path})
-            command = [sys.executable, "-m", "cpq.client.torchrun", *argv]
+            command = [sys.executable, "-m", "cpq", "torchrun", *argv]
             done = subprocess.run(command, env=env, check=False)
             try:
                 with open(path) as source:
@@ -518,7 +518,3 @@ def route_on_import() -> RouteOnImport:
     finder = RouteOnImport()
     sys.meta_path.insert(0, finder)
     return finder
-
-
-if __name__ == "__main__":  # the routed ``torchrun`` (cpq.client.launches): no cli imports
-    sys.exit(main(sys.argv[1:]))
