@@ -315,7 +315,9 @@ class RankStale(Message):
 class RankBegun(Message):
     """A rank has built its pytest session and collected the test's module and now starts
     the test's protocol (feature ``rank-pytest``): the deadline counts from here, as
-    pytest-timeout's does in a fresh run, not from the session's build."""
+    pytest-timeout's does in a fresh run, not from the session's build. Sent again after
+    the caller's last test, before the session's finish: that gets a window of the test's
+    timeout of its own (the broker only ever extends a begun deadline)."""
 
     KIND: ClassVar[str] = "rank_begun"
     task_id: str

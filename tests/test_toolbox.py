@@ -160,9 +160,14 @@ def test_a_timed_out_test_leaves_the_next_one_a_warm_group(
             lambda s: sum(p["state"] == "idle" for p in s["pools"]) >= 2,
         )
     junit = pytester.path / "junit.xml"
-    out = run(pytester, "--timeout", "2", f"--junitxml={junit}")
+    out = run(pytester, "--timeout", "2", f"--junitxml={junit}", "--durations=0", "-vv")
     assert "1 failed, 1 passed" in out, out
     assert "Timeout (>2.0s) from pytest-timeout." in out
+    # --durations as a fresh run's: the time in the call (where the ranks hung), not in a
+    # setup that only waited for the verdict
+    pattern = r"^([\d.]+)s (setup|call) +test_hang_then_next\.py::test_a_hang$"
+    durations = {when: float(secs) for secs, when in re.findall(pattern, out, re.M)}
+    assert durations["call"] >= 2.0 and durations.get("setup", 0.0) < 1.0, out
     times = dict(
         re.findall(r'<testcase classname="[^"]*" name="(\w+)" time="([\d.]+)"', junit.read_text())
     )

@@ -159,7 +159,7 @@ class Broker:
                 protocol.RankReady: self.rank_ready,
                 protocol.RankDone: self.rank_done,
                 protocol.RankStacks: lambda g, rank, m: self.tasks.rank_stacks(g, rank.rank, m),
-                protocol.RankBegun: lambda g, rank, m: self.tasks.rank_begun(g, m),
+                protocol.RankBegun: lambda g, rank, m: self.tasks.rank_begun(g, rank.rank, m),
                 protocol.RankStale: lambda g, rank, m: self.pools.rank_stale(g, m),
                 protocol.DebugOutput: lambda g, rank, m: self.tasks.debug.output(g, rank.rank, m),
             }

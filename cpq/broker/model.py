@@ -98,8 +98,11 @@ class Task:
     group: Group | None = None
     started_at: float = 0.0
     deadline: float = 0.0
-    #: A rank has begun the test's own protocol (``RankBegun``): the deadline is the test's.
-    begun: bool = False
+    #: Ranks that began the test's own protocol (a first ``RankBegun``): the deadline is
+    #: the test's from the first; and ranks whose protocol ended (a second: the session's
+    #: finish follows, untimed like a fresh run's, within the start allowance).
+    begun_ranks: set[int] = field(default_factory=set)
+    ended_ranks: set[int] = field(default_factory=set)
     results: dict[int, RankResult] = field(default_factory=dict)
     grace_until: float | None = None
     # Stack collection (after a deadline or a peer's failure): why, until when, what came back.

@@ -169,7 +169,8 @@ class Tasks:
         # start allowance a group's spawn gets; a test's own deadline begins after it.
         building = task.submit.target == PYTEST_ITEM_TARGET
         task.deadline = now + task.timeout_s + (self.config.start_timeout_s if building else 0)
-        task.begun = False
+        task.begun_ranks.clear()
+        task.ended_ranks.clear()
         task.results.clear()
         task.pg_seqs.clear()
         task.groups.append(group.id)
@@ -251,16 +252,24 @@ class Tasks:
         task.stack_phases.clear()
         task.coverage.clear()
 
-    def rank_begun(self, group: Group, message: protocol.RankBegun) -> None:
+    def rank_begun(self, group: Group, rank_no: int, message: protocol.RankBegun) -> None:
         """A rank starts the test's own protocol: its deadline runs from now (the rank's
-        pytest session build and collection are not the test's time)."""
+        pytest session build and collection are not the test's time). A rank's second
+        ``rank_begun`` says its protocol ended and the caller's session finishes: once every
+        rank is there, the finish gets the start allowance, as a fresh run's is not timed."""
         task = group.task
         if task is None or task.submit.task_id != message.task_id or task.stacks_until:
             return
+        now = self.clock.monotonic()
+        if rank_no in task.begun_ranks:  # its protocol ended: the session's finish
+            task.ended_ranks.add(rank_no)
+            if len(task.ended_ranks) == group.spec.world_size:  # none is in the test now
+                task.deadline = max(task.deadline, now + self.config.start_timeout_s)
+            return
         # The first rank to begin ends the build's allowance; a later one may only extend it.
-        end = self.clock.monotonic() + task.timeout_s
-        task.deadline = max(task.deadline, end) if task.begun else end
-        task.begun = True
+        end = now + task.timeout_s
+        task.deadline = max(task.deadline, end) if task.begun_ranks else end
+        task.begun_ranks.add(rank_no)
 
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
         task = group.task

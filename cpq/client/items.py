@@ -318,6 +318,18 @@ def phase_report(item: pytest.Item, when: str) -> pytest.TestReport | None:
     return report
 
 
+def hollow_duration(item: pytest.Item, when: str) -> float | None:
+    """A phase's duration when the ranks sent no reports (a deadline, cpq's error): the
+    local phases are hollow and the setup's holds the whole wait for the verdict, so the
+    phase the ranks were in gets the task's time on its group (the broker's measure, no
+    queue or spawn in it) and the other gets none; None for a test with reports."""
+    run = item.stash.get(RUN_KEY, None)
+    if run is None or run.phases or run.result is None or when == "teardown":
+        return None
+    ran_in = "setup" if run.result.phase == "setup" else "call"
+    return run.result.duration_s if when == ran_in else 0.0
+
+
 def _stream_output(result: TaskResult) -> None:
     """Under ``-s`` the ranks' pytest captures nothing: what each rank printed reaches this
     terminal after the test, every line labelled with its rank."""

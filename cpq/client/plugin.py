@@ -413,6 +413,8 @@ def pytest_runtest_makereport(
         report = ranks
     elif call.excinfo is not None and isinstance(call.excinfo.value, CpqTaskFailed):
         report.longrepr = ranks_repr(call.excinfo.value, str(item.path))  # no reports of theirs
+    if ranks is None and (hollow := items.hollow_duration(item, call.when)) is not None:
+        report.duration = hollow  # --durations and JUnit: the test's time, not the wait
     session = item.config.stash[SESSION_KEY]
     routing = item.config.stash.get(ROUTING_KEY, None)
     if routing is not None:  # the waits of the torchrun launches the test made

@@ -455,6 +455,12 @@ def run_item(
     ran = _item_run(current, rank)
     if next is None:  # the caller's last test: its session ends here now
         global session_ended
+        if began is not None:
+            # The test's protocol is over (its session fixtures torn down with it): what
+            # follows, pytest's session finish and unconfigure (a gc pass per plugin, the
+            # boundary's checks), pytest-timeout does not time in a fresh run; the broker
+            # gives it a window of the test's timeout of its own.
+            began()
         close_current()
         session_ended = True
     return ran
