@@ -298,8 +298,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     except paths.UnsafeStateDir as exc:
         return [f"cpq: {exc}"]
     if endpoint.startswith("ipc://") and not broker_alive(endpoint):
-        how = "starts when a cpq test runs" if session.autostart else "autostart is off"
-        return [f"cpq: no broker at {endpoint} ({how})"]
+        if session.autostart:  # not an error: said so (a newcomer read "no broker" as one)
+            return [f"cpq: broker {endpoint}: not running yet, starts when a cpq test runs"]
+        return [f"cpq: no broker at {endpoint} (autostart is off)"]
     try:
         status = session.status_if_connected()
     except Exception as exc:

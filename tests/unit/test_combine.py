@@ -106,3 +106,15 @@ def test_the_same_report_on_every_rank_is_named_once() -> None:
     lines = _printed(combine.combine_phase(reports, 2, "g1-x"))
     assert not [line for line in lines if " rank 1 " in line]
     assert lines[-1].endswith("the report above is rank 0's, the same on rank(s) [1]")
+
+
+def test_reports_that_differ_only_in_object_addresses_are_the_same_report() -> None:
+    """Each rank's objects live at other addresses: ``assert x is True`` on an object fails
+    with the same words but another ``0x...``; the ranks are named once, not shown twice."""
+    reports = [
+        (rank, _report(_traceback(AssertionError(f"assert <object object at {addr}> is True"))))
+        for rank, addr in ((0, "0x7f3a2c1b9e40"), (1, "0x7f11d0a4be50"))
+    ]
+    lines = _printed(combine.combine_phase(reports, 2, "g1-x"))
+    assert not [line for line in lines if " rank 1 " in line]
+    assert lines[-1].endswith("the report above is rank 0's, the same on rank(s) [1]")
