@@ -31,6 +31,7 @@ SCRIPTS = [
 
 SUITE = """
 import os
+import socket
 import subprocess
 import sys
 
@@ -40,15 +41,23 @@ from accelerate.test_utils import execute_subprocess_async, path_in_accelerate_p
 SCRIPTS = {scripts!r}
 
 
+def port():
+    # a free port for each launch: the plain run's torchrun shares this host with the
+    # suite's other worker (the default 29500 collided under xdist); cpq routes any port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_accelerate_script(name):
     script = path_in_accelerate_package("test_utils", "scripts", f"{{name}}.py")
-    cmd = ["torchrun", "--nproc-per-node", "2", str(script)]
+    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", port(), str(script)]
     execute_subprocess_async(cmd, env=os.environ.copy())
 
 
 def test_fails_on_rank_one_while_rank_zero_waits():
-    cmd = ["torchrun", "--nproc-per-node", "2", "fail_rank1.py"]
+    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", port(), "fail_rank1.py"]
     execute_subprocess_async(cmd, env=os.environ.copy())
 
 
@@ -56,13 +65,15 @@ def test_launch_command_in_process():
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     parser = launch_command_parser()
-    launch_command(parser.parse_args(["--multi_gpu", "--num_processes", "2", "state.py"]))
+    args = ["--multi_gpu", "--num_processes", "2", "--main_process_port", port(), "state.py"]
+    launch_command(parser.parse_args(args))
 
 
 def test_accelerate_launch_as_a_subprocess():
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     done = subprocess.run(
-        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "state.py"],
+        [accelerate, "launch", "--multi_gpu", "--num_processes", "2",
+         "--main_process_port", port(), "state.py"],
         capture_output=True, text=True,
     )
     assert done.returncode == 0, done.stderr

@@ -280,9 +280,11 @@ INFRA_FAULTS = [
         "workers.faults:sigstop", {}, 60, "rank 1 stopped heartbeating", {},
         SILENCE + MARGIN, id="sigstop",
     ),
+    # (a dead rank's torchrun may take longer to exit than the silence takes to be seen
+    # on a loaded box: either is how the broker learns of it)
     pytest.param(
-        "workers.faults:segfault", {}, 60, "torchrun exited with status", {},
-        SILENCE + MARGIN, id="segfault",
+        "workers.faults:segfault", {}, 60, "torchrun exited with status | stopped heartbeating",
+        {}, SILENCE + MARGIN, id="segfault",
     ),
     pytest.param(
         "workers.faults:exit_code", {"code": 3}, 60, "torchrun exited with status", {},
@@ -325,7 +327,7 @@ def test_infra_fault_is_retried_once_on_a_fresh_group_and_passes(
     note = result.notes[0]
     if "deadline" not in reason:
         assert f"on group {group.id}:" in note, note  # attempt 1 died on the warm group
-    assert reason in note.splitlines()[0], note
+    assert any(words in note.splitlines()[0] for words in reason.split(" | ")), note
     for rank, expectations in stacks.items():
         stack = rank_stack(note, rank)
         for expected in expectations:

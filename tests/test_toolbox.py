@@ -113,9 +113,7 @@ def test_reruns_give_a_fresh_runs_attempts(
     pytester.makepyfile(test_hang=project(fresh))
     fresh_out = run(pytester, "-p", "no:cpq", *flags)
     pytester.makepyfile(test_hang=project(warm))
-    started = time.monotonic()
     out = run(pytester, *flags)
-    wall = time.monotonic() - started
     assert attempts(fresh) == 3, fresh_out
     assert attempts(warm) == attempts(fresh), out  # reruns + 1, not (reruns + 1) x 2
     assert "1 failed" in out, out
@@ -125,8 +123,8 @@ def test_reruns_give_a_fresh_runs_attempts(
     assert "[CPQ-RETRY]" not in out  # cpq's retry stepped aside
     match = re.search(r"cpq: 3 task\(s\) on (\d+) group\(s\), 0 retries", out)
     assert match is not None and match[1] == "3", out  # one group per attempt, no more
-    # Three 3 s timeouts (a fresh spare or spawn each); never a 90 s cpq deadline.
-    assert wall < 60, wall
+    # Three 3 s timeouts (a fresh spare or spawn each); never cpq's default 90 s deadline.
+    assert "deadline of 90s" not in out and out.count("deadline of 3s passed") >= 1, out
 
 
 NEXT = """
