@@ -208,10 +208,8 @@ def test_a_session_build_longer_than_the_timeout_is_not_a_hang() -> None:
     assert len(sim.sent_to_ranks(protocol.DumpStacks)) == 2
 
 
-def test_the_sessions_finish_after_the_last_test_is_not_timed_while_a_rank_is_in_it() -> None:
-    """A rank's second ``rank_begun`` (its protocol ended; pytest's session finish follows)
-    extends the deadline only once every rank is past its test: a rank still in the test
-    keeps the test's deadline."""
+def _two_ranks_5s_into_a_test() -> tuple[Sim, str]:
+    """A pytest item (10 s timeout) both of whose ranks began its protocol 5 s ago."""
     sim = Sim(stack_wait_s=2.0)
     sim.client()
     task = sim.submit(pool_spec=spec(2), timeout=10, target=protocol.PYTEST_ITEM_TARGET)
@@ -219,19 +217,21 @@ def test_the_sessions_finish_after_the_last_test_is_not_timed_while_a_rank_is_in
     for rank in (0, 1):
         sim.rank_send(Sim.rank_id("g1", rank), protocol.RankBegun(task_id=task, rank=rank))
     sim.tick(5.0)
+    return sim, task
+
+
+def test_the_sessions_finish_after_the_last_test_is_not_timed_while_a_rank_is_in_it() -> None:
+    """A rank's second ``rank_begun`` (its protocol ended; pytest's session finish follows)
+    extends the deadline only once every rank is past its test: a rank still in the test
+    keeps the test's deadline."""
+    sim, task = _two_ranks_5s_into_a_test()
     sim.rank_send(Sim.rank_id("g1", 0), protocol.RankBegun(task_id=task, rank=0))  # done
     sim.tick(5.1)  # rank 1 is still in the test 10 s on: a hang
     assert len(sim.sent_to_ranks(protocol.DumpStacks)) == 2
 
 
 def test_the_sessions_finish_gets_the_start_allowance_once_every_rank_is_past_its_test() -> None:
-    sim = Sim(stack_wait_s=2.0)
-    sim.client()
-    task = sim.submit(pool_spec=spec(2), timeout=10, target=protocol.PYTEST_ITEM_TARGET)
-    sim.bring_up("g1")
-    for rank in (0, 1):
-        sim.rank_send(Sim.rank_id("g1", rank), protocol.RankBegun(task_id=task, rank=rank))
-    sim.tick(5.0)
+    sim, task = _two_ranks_5s_into_a_test()
     for rank in (0, 1):  # both tests done: pytest's session finish (a gc pass per plugin)
         sim.rank_send(Sim.rank_id("g1", rank), protocol.RankBegun(task_id=task, rank=rank))
     sim.tick(30.0)
