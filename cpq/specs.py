@@ -21,12 +21,15 @@ class BadRequest(ValueError):
     """The broker (or the client, before sending) refused a request as malformed."""
 
 
-def default_roots() -> list[str]:
-    """Import roots a plain client sends: its working directory and ``PYTHONPATH``."""
-    roots = [os.getcwd()]
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+def default_roots(cwd: str | None = None, env: Mapping[str, str] | None = None) -> list[str]:
+    """Import roots a plain client sends: its working directory and ``PYTHONPATH`` (of
+    ``cwd`` and ``env`` when given: a process the launch relay serves)."""
+    cwd = os.getcwd() if cwd is None else cwd
+    env = os.environ if env is None else env
+    roots = [cwd]
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
         if entry and not environ.is_route_folder(entry):  # cpq's own (environ.fold_paths)
-            roots.append(os.path.abspath(entry))
+            roots.append(os.path.normpath(os.path.join(cwd, entry)))
     return list(dict.fromkeys(roots))
 
 

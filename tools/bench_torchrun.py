@@ -19,6 +19,7 @@ last, on each rank), so what a launch costs beyond the script's own work is
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -77,6 +78,62 @@ def test_launch(case):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("SCRIPT_S") == {nproc}
 """
+
+
+ROUTED = """
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+
+def _launch(command):
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    return wall, max(float(m) for m in re.findall(r"SCRIPT_S ([0-9.]+)", done.stdout))
+
+
+def test_routed_launches():
+    args = ["--nproc-per-node", "{nproc}", "{script}"]
+    runs = {{"relay": [], "process": []}}
+    _launch(["torchrun", *args])
+    for _ in range({n}):
+        runs["relay"].append(_launch(["torchrun", *args]))
+        runs["process"].append(_launch([sys.executable, "-m", "cpq", "torchrun", *args]))
+    with open(os.environ["BENCH_ROUTED_OUT"], "w") as out:
+        json.dump(runs, out)
+"""
+
+
+def routed_runs(
+    n: int, nproc: int, script: Path, work: Path, env: dict[str, str]
+) -> dict[str, list[tuple[float, float]]]:
+    """``n`` launches from inside a ``pytest --cpq-torchrun`` test, alternated: ``torchrun``
+    as the test names it (the shim, served by the session's launch relay) and ``python -m cpq
+    torchrun`` (a client of its own per launch, what the shim ran before the relay)."""
+    project = work / "routed"
+    project.mkdir()
+    (project / "test_routed.py").write_text(ROUTED.format(n=n, nproc=nproc, script=script))
+    out = work / "routed.json"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpq-torchrun"]
+    done = subprocess.run(
+        command,
+        cwd=project,
+        env=dict(env, BENCH_ROUTED_OUT=str(out)),
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the routed launches failed:\n{done.stdout[-3000:]}")
+    runs = json.loads(out.read_text())
+    return {
+        "torchrun in a --cpq-torchrun test (the session's launch relay)": runs["relay"],
+        "python -m cpq torchrun in that test (a client per launch)": runs["process"],
+    }
 
 
 def suite_walls(n: int, nproc: int, script: Path, work: Path, env: dict[str, str]) -> list[str]:
@@ -195,6 +252,7 @@ def main() -> None:
         for _ in range(args.launches):
             results["torchrun"].append(launch([*real, str(script)], script.parent, env))
             results["cpq torchrun"].append(launch([*warm, str(script)], script.parent, cpq_env))
+        results.update(routed_runs(args.launches, args.nproc, script, work, cpq_env))
         suite = suite_walls(args.suite, args.nproc, script, work, cpq_env) if args.suite else []
     finally:
         broker.stop()

@@ -106,6 +106,8 @@ class SubmitOptions(TypedDict, total=False):
     ``TaskResult.coverage``. ``session``: the test session it belongs to (default: this
     client); ``own_groups``: run only on a group that served no other session;
     ``fresh_group``: run only on a group started for this task (it served no task before).
+    ``environ``: the environment of the process the task is for, when that is not this one
+    (the launch relay serves other processes' launches); default ``os.environ``, read now.
     """
 
     timeout: float | None
@@ -122,6 +124,7 @@ class SubmitOptions(TypedDict, total=False):
     session: str
     own_groups: bool
     fresh_group: bool
+    environ: dict[str, str] | None
 
 
 #: The options that are fields of the ``submit`` message as they are.
@@ -140,7 +143,8 @@ def submit_message(
     check_kwargs(kwargs)
     timeout = options.get("timeout")
     timeout = paths.default_timeout() if timeout is None else check_timeout(timeout)
-    start, task_env = caller_environ()
+    given = options.get("environ")
+    start, task_env = caller_environ() if given is None else environ.split(given)
     pinned = options.get("env") or {}
     # What the task pins is the task's too: its ranks see it, as a fresh launch with it in
     # its environment would, and a rank whose imports read it finds the value it started with.
@@ -259,17 +263,21 @@ class Client:
         kwargs: dict[str, Any] | None = None,
         *,
         on_wait: Callable[[str], None] | None = None,
+        on_sent: Callable[[str], None] | None = None,
         **options: Unpack[SubmitOptions],
     ) -> TaskResult:
         """Run ``target`` on every rank of a warm group and wait for the verdict.
 
         ``options`` are :class:`SubmitOptions`. ``on_wait`` is called (in this thread) with
         the broker's word on why the task is still waiting for a group, a few seconds into
-        a wait. If this call is interrupted (Ctrl-C, pytest-timeout), the task is cancelled
-        at once: its group does not stay busy for nobody.
+        a wait; ``on_sent`` with the task's id once it is sent (for :meth:`cancel` from
+        another thread). If this call is interrupted (Ctrl-C, pytest-timeout), the task is
+        cancelled at once: its group does not stay busy for nobody.
         """
         future = self._submit(target, world_size, kwargs, options, lead=True)
         task_id: str = future.task_id  # type: ignore[attr-defined]
+        if on_sent is not None:
+            on_sent(task_id)
         try:
             self._wait(future, on_wait)
         except BaseException:
@@ -280,6 +288,11 @@ class Client:
         finally:
             self._waiting.pop(task_id, None)
         return future.result()
+
+    def cancel(self, task_id: str) -> None:
+        """Cancel a task this client sent (a finished one: nothing happens); its
+        :meth:`submit` then returns the broker's verdict on the cancelled task."""
+        self._send(protocol.Cancel(task_id=task_id))
 
     def _wait(self, future: Future[TaskResult], on_wait: Callable[[str], None] | None) -> None:
         """Read the socket in this thread until ``future`` is done (no thread hand-off);

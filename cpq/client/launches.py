@@ -5,10 +5,12 @@ tests) need no edit: with ``--cpq-torchrun`` (ini ``cpq_torchrun``, env ``CPQ_TO
 this process puts a folder in front of ``PATH`` and ``PYTHONPATH`` for everything the tests
 start:
 
-* ``torchrun`` there is a two-line shell script: ``python -m cpq torchrun "$@"``;
+* ``torchrun`` there is a two-line shell script running the launch shim (``python -sS
+  cpq_launch.py "$@"``), which hands the launch to this process's launch relay
+  (:mod:`cpq.client.launch_relay`) or else runs ``python -m cpq torchrun "$@"``;
 * ``sitecustomize.py`` there is a start-up hook every Python child runs: an interpreter
   started as ``python -m torch.distributed.run`` (or ``torch.distributed.launch``, whose
-  ``--local-rank`` argument each rank then gets) becomes ``python -m cpq torchrun`` with the
+  ``--local-rank`` argument each rank then gets) becomes the shim with the
   same arguments; any other interpreter pays a look at its command line and a search of
   ``sys.path`` for the ``sitecustomize`` this one shadows, which it then runs.
 
@@ -33,14 +35,17 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
 import pytest
 
 from cpq import environ, paths
+from cpq.client.launch_relay import RELAY_VAR, SHIM, LaunchRelay
 from cpq.client.torchrun import (
     WAITS_VAR,
+    endpoint_of,
     report_wait,
     route_in_process,
     route_on_import,
@@ -61,9 +66,11 @@ ENV_VAR = "CPQ_TORCHRUN"
 #: Set for a launch cpq hands to the real torchrun: the start-up hook leaves it alone.
 REAL_VAR = "CPQ_TORCHRUN_REAL"
 _SHIM = """#!/bin/sh
-# cpq (pytest --cpq-torchrun): this launch runs on a warm group
-exec {python} -m cpq torchrun "$@"
+# cpq (pytest --cpq-torchrun): this launch runs on a warm group (cpq/client/launch_relay.py)
+exec {python} -sS {shim} "$@"
 """
+#: The launch shim's file in the route folder (launch_relay.SHIM).
+SHIM_FILE = "cpq_launch.py"
 
 _HOOK = '''"""cpq's start-up hook (pytest --cpq-torchrun): see cpq/client/launches.py."""
 import os
@@ -81,7 +88,8 @@ def _cpq_route():
     args = argv[at + 2 :]
     if module == "torch.distributed.launch":
         args = ["--cpq-launch-local-rank", *args]
-    os.execv(sys.executable, [sys.executable, "-m", "cpq", "torchrun", *args])
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "{shim_file}")
+    os.execv(sys.executable, [sys.executable, "-sS", shim, *args])
 
 
 def _cpq_chain():
@@ -154,14 +162,26 @@ class Routing:
         # its name tells specs to leave it out (environ.fold_paths)
         self.folder = str(paths.state_dir() / f"{environ.ROUTE_FOLDER_PREFIX}{digest}")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
-        _write(os.path.join(self.folder, "torchrun"), _SHIM.format(python=sys.executable), 0o755)
-        _write(os.path.join(self.folder, "sitecustomize.py"), _HOOK.replace("{real}", REAL_VAR))
-        self.saved = {name: os.environ.get(name) for name in ("PATH", "PYTHONPATH", WAITS_VAR)}
+        shim = os.path.join(self.folder, SHIM_FILE)
+        _write(shim, SHIM)
+        command = _SHIM.format(python=shlex.quote(sys.executable), shim=shlex.quote(shim))
+        _write(os.path.join(self.folder, "torchrun"), command, 0o755)
+        hook = _HOOK.replace("{real}", REAL_VAR).replace("{shim_file}", SHIM_FILE)
+        _write(os.path.join(self.folder, "sitecustomize.py"), hook)
+        self.saved = {
+            name: os.environ.get(name) for name in ("PATH", "PYTHONPATH", WAITS_VAR, RELAY_VAR)
+        }
         for name in ("PATH", "PYTHONPATH"):
             before = os.environ.get(name, "")
             os.environ[name] = self.folder + (os.pathsep + before if before else "")
         self.waits = os.path.join(self.folder, f"waits-{os.getpid()}-{id(self):x}.jsonl")
         os.environ[WAITS_VAR] = self.waits  # a task variable: no part of any spec
+        # the shims hand their launches to this process's client (launch_relay.py)
+        self.relay = LaunchRelay.start(endpoint_of(os.environ))
+        if self.relay is not None:
+            os.environ[RELAY_VAR] = self.relay.path
+        else:
+            os.environ.pop(RELAY_VAR, None)
         self.offset = 0
         # accelerate launch in this process imports torch.distributed.run during the test
         self.hook = route_on_import()
@@ -190,6 +210,8 @@ class Routing:
         return added
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
         if self.hook in sys.meta_path:
             sys.meta_path.remove(self.hook)
         module = sys.modules.get("torch.distributed.run")

@@ -25,13 +25,20 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from cpq import paths
 
 TARGET = "cpq.rank.script:run_script"
+
+
+class Writer(Protocol):
+    def write(self, text: str, /) -> int: ...
+    def flush(self) -> None: ...
+
+
 #: A launch's deadline when ``CPQ_TIMEOUT`` is not set: a launch has none under torchrun;
 #: the caller's own time-out (``subprocess.run(timeout=)``) ends it sooner, and its task is
 #: cancelled when this process goes.
@@ -83,15 +90,17 @@ class Launch:
         return bool({"module", "m"} & self.flags)
 
 
-def parse(args: Sequence[str]) -> Launch:
+def parse(args: Sequence[str], environ: Mapping[str, str] | None = None) -> Launch:
     """Split ``args`` into torchrun's options and the script with its arguments; an option
-    not given takes torchrun's ``PET_<OPTION>`` variable, as torchrun's parser does."""
+    not given takes torchrun's ``PET_<OPTION>`` variable (of ``environ``, default this
+    process's), as torchrun's parser does."""
+    environ = os.environ if environ is None else environ
     launch = Launch()
     for name in _VALUED:
-        value = os.environ.get("PET_" + name.upper().replace("-", "_"))
+        value = environ.get("PET_" + name.upper().replace("-", "_"))
         if value is not None and len(name) > 1:
             launch.options[name] = value
-    if os.environ.get("PET_STANDALONE"):
+    if environ.get("PET_STANDALONE"):
         launch.flags.add("standalone")
     i = 0
     while i < len(args):
@@ -160,29 +169,52 @@ def unfaithful(launch: Launch) -> str:
 _LAUNCH_FLAG = "--cpq-launch-local-rank"
 
 
-def main(args: Sequence[str]) -> int:
-    """``cpq torchrun ARGS``: the exit status torchrun would give."""
+@dataclass
+class Caller:
+    """The process a launch is for: its environment, working directory and output streams.
+    This process for ``cpq torchrun``; a shim's for the launch relay
+    (:mod:`cpq.client.launch_relay`), which serves launches of processes it did not start."""
+
+    environ: Mapping[str, str]
+    cwd: str
+    out: Writer
+    err: Writer
+
+    @classmethod
+    def this_process(cls) -> Caller:
+        return cls(os.environ, os.getcwd(), sys.stdout, sys.stderr)
+
+
+@dataclass
+class Plan:
+    """A parsed launch and why it cannot run warm ("" when it can)."""
+
+    launch: Launch
+    local_rank_arg: bool
+    why: str
+
+
+def plan(args: Sequence[str], environ: Mapping[str, str] | None = None) -> Plan:
     local_rank_arg = _LAUNCH_FLAG in args
-    launch = parse([a for a in args if a != _LAUNCH_FLAG])
+    launch = parse([a for a in args if a != _LAUNCH_FLAG], environ)
     if local_rank_arg and "use-env" in launch.flags:
         local_rank_arg = False
-    why = unfaithful(launch)
-    if why:
-        return real_torchrun(args, why)
+    return Plan(launch, local_rank_arg, unfaithful(launch))
+
+
+def endpoint_of(environ: Mapping[str, str]) -> str:
+    return environ.get(paths.ENDPOINT_VAR) or paths.default_endpoint()
+
+
+def main(args: Sequence[str]) -> int:
+    """``cpq torchrun ARGS``: the exit status torchrun would give."""
+    planned = plan(args)
+    if planned.why:
+        return real_torchrun(args, planned.why)
     from cpq.client.api import BrokerUnavailable, Client
     from cpq.client.autostart import ensure_broker
 
-    nproc = int(launch.options.get("nproc-per-node", "1"))
-    endpoint = os.environ.get(paths.ENDPOINT_VAR) or paths.default_endpoint()
-    kwargs = {
-        "argv": launch.argv,
-        "module": launch.module,
-        "cwd": os.getcwd(),
-        "run_id": launch.options.get("rdzv-id") or uuid.uuid4().hex,
-        "nproc": nproc,
-        "local_rank_arg": local_rank_arg,
-    }
-    timeout = float(os.environ.get(paths.TIMEOUT_VAR) or DEFAULT_TIMEOUT_S)
+    endpoint = endpoint_of(os.environ)
     try:
         if endpoint.startswith("ipc://") and os.environ.get("CPQ_AUTOSTART") != "0":
             ensure_broker(endpoint)
@@ -191,30 +223,57 @@ def main(args: Sequence[str]) -> int:
         return real_torchrun(args, f"no broker: {exc}")
     try:  # sent: from here on the script may have run, so never run it again elsewhere
         with client:
-            result = client.submit(
-                TARGET,
-                nproc,
-                kwargs,
-                timeout=timeout,
-                retries=0,  # a launch that dies is the script's verdict, as under torchrun
-                test_id="torchrun " + " ".join(launch.argv)[:200],
-            )
+            return run_launch(planned, client, Caller.this_process())
     except (BrokerUnavailable, OSError, RuntimeError) as exc:
         sys.stderr.write(f"cpq torchrun: the broker went away during the launch: {exc}\n")
         return 1
-    report_wait(result.spawn_wait_s, list(result.groups or [result.group_id]))
-    _write_output(launch, result)
-    return _exit_status(launch, result)
+
+
+def run_launch(
+    planned: Plan, client: Any, caller: Caller, on_sent: Callable[[str], None] | None = None
+) -> int:
+    """Run a launch that can run warm on ``client``'s broker for ``caller``: its output on
+    the caller's streams, torchrun's exit status returned. Raises what the client raises
+    when the broker goes away (the script may then have run: never run it again)."""
+    from cpq.specs import default_roots
+
+    launch = planned.launch
+    kwargs = {
+        "argv": launch.argv,
+        "module": launch.module,
+        "cwd": caller.cwd,
+        "run_id": launch.options.get("rdzv-id") or uuid.uuid4().hex,
+        "nproc": int(launch.options.get("nproc-per-node", "1")),
+        "local_rank_arg": planned.local_rank_arg,
+    }
+    here = caller.environ is os.environ
+    result = client.submit(
+        TARGET,
+        kwargs["nproc"],
+        kwargs,
+        timeout=float(caller.environ.get(paths.TIMEOUT_VAR) or DEFAULT_TIMEOUT_S),
+        retries=0,  # a launch that dies is the script's verdict, as under torchrun
+        test_id="torchrun " + " ".join(launch.argv)[:200],
+        environ=None if here else dict(caller.environ),
+        roots=None if here else default_roots(caller.cwd, caller.environ),
+        on_sent=on_sent,
+    )
+    report_wait(result.spawn_wait_s, list(result.groups or [result.group_id]), caller.environ)
+    _write_output(launch, result, caller)
+    return _exit_status(launch, result, caller)
 
 
 #: The file each launch appends its measured wait for a group to (one JSON line).
 WAITS_VAR = "CPQ_LAUNCH_WAITS"
 
 
-def report_wait(wait_s: float | None, groups: list[str]) -> None:
+def report_wait(
+    wait_s: float | None, groups: list[str], environ: Mapping[str, str] | None = None
+) -> None:
     """In ``cpq torchrun``: append this launch's wait and groups for the session that routed
     it (nothing outside a routed pytest test, or from a broker that did not measure it)."""
-    path, test = os.environ.get(WAITS_VAR), os.environ.get("PYTEST_CURRENT_TEST", "")
+    environ = os.environ if environ is None else environ
+    path, test = environ.get(WAITS_VAR), environ.get("PYTEST_CURRENT_TEST", "")
     if not path or not test or wait_s is None:
         return
     line = json.dumps({"test": test.rsplit(" (", 1)[0], "wait_s": wait_s, "groups": groups})
@@ -246,13 +305,13 @@ def _shown_ranks(launch: Launch) -> set[int] | None:
     return {int(part) for part in text.split(",") if part.strip().isdigit()}
 
 
-def _write_output(launch: Launch, result: Any) -> None:
+def _write_output(launch: Launch, result: Any, caller: Caller) -> None:
     tee = "tee" in launch.options or "t" in launch.options
     shown = _shown_ranks(launch)
     for rank in sorted(result.ranks, key=lambda r: r.rank):
         if shown is not None and rank.rank not in shown:
             continue
-        for out, text in ((sys.stdout, rank.stdout), (sys.stderr, rank.stderr)):
+        for out, text in ((caller.out, rank.stdout), (caller.err, rank.stderr)):
             if not text:
                 continue
             if tee:
@@ -261,7 +320,7 @@ def _write_output(launch: Launch, result: Any) -> None:
             out.flush()
 
 
-def _exit_status(launch: Launch, result: Any) -> int:
+def _exit_status(launch: Launch, result: Any, caller: Caller) -> int:
     """0 when every rank exited 0; else torchrun's 1, after its ``ChildFailedError`` summary
     (what torchrun's agent prints: each failed rank, the first to fail as the root cause)."""
     codes = {r.rank: r.value for r in result.ranks}
@@ -273,15 +332,16 @@ def _exit_status(launch: Launch, result: Any) -> int:
         return 0
     script = launch.argv[0] if launch.argv else "?"
     failed = [r for r in sorted(result.ranks, key=lambda r: r.rank) if r.outcome != "passed"]
-    _record_failures(failed)
+    _record_failures(failed, caller.environ)
     if not failed:  # no rank's own report: the group failed (a rank died, a deadline)
         lines = ["=" * 60, f"{script} FAILED", "-" * 60, "Failures:"]
         lines.append(f"  {result.message or result.outcome}")
         lines += [f"(cpq: warm group {result.group_id or '?'})", "=" * 60]
-        sys.stderr.write("\n".join(lines) + "\n")
+        caller.err.write("\n".join(lines) + "\n")
         return 1
-    sys.stderr.write(failure_summary(script, failed) + "\n")
-    sys.stderr.write(f"(cpq: the launch ran on warm group {result.group_id or '?'})\n")
+    caller.err.write(failure_summary(script, failed) + "\n")
+    caller.err.write(f"(cpq: the launch ran on warm group {result.group_id or '?'})\n")
+    caller.err.flush()
     return 1
 
 
@@ -351,8 +411,8 @@ def failure_summary(script: str, failed: list[Any], now: float | None = None) ->
 FAILURES_VAR = "CPQ_TORCHRUN_FAILURES"
 
 
-def _record_failures(failed: list[Any]) -> None:
-    path = os.environ.get(FAILURES_VAR)
+def _record_failures(failed: list[Any], environ: Mapping[str, str]) -> None:
+    path = environ.get(FAILURES_VAR)
     if not path:
         return
     import json
