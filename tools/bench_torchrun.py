@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchkit import PrivateBroker, child_env
+from benchkit import PrivateBroker, child_env, plugin_args
 
 SCRIPT = """
 import time
@@ -119,7 +119,8 @@ def routed_runs(
     project.mkdir()
     (project / "test_routed.py").write_text(ROUTED.format(n=n, nproc=nproc, script=script))
     out = work / "routed.json"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpq-torchrun"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args()]
+    command.append("--cpq-torchrun")
     done = subprocess.run(
         command,
         cwd=project,
@@ -128,7 +129,7 @@ def routed_runs(
         text=True,
     )
     if done.returncode != 0:
-        raise SystemExit(f"the routed launches failed:\n{done.stdout[-3000:]}")
+        raise SystemExit(f"the routed launches failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
     runs = json.loads(out.read_text())
     return {
         "torchrun in a --cpq-torchrun test (the session's launch relay)": runs["relay"],
@@ -147,7 +148,8 @@ def suite_walls(n: int, nproc: int, script: Path, work: Path, env: dict[str, str
         ("--cpq-torchrun, cold", ["--cpq-torchrun"]),
         ("--cpq-torchrun, warm", ["--cpq-torchrun"]),
     ):
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        command += [*plugin_args(), *extra] if extra else []
         start = time.perf_counter()
         done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start

@@ -33,6 +33,15 @@ def child_env(repo_first: bool = True) -> dict[str, str]:
     return env
 
 
+def plugin_args() -> list[str]:
+    """``-p cpq.client.plugin`` where cpq is only on ``PYTHONPATH`` (the GPU host: no entry
+    point registers it), nothing where it is installed (naming it twice is an error)."""
+    import importlib.metadata
+
+    entries = importlib.metadata.entry_points(group="pytest11")
+    return [] if any(ep.name == "cpq" for ep in entries) else ["-p", "cpq.client.plugin"]
+
+
 class Run(NamedTuple):
     rc: int
     wall_s: float

@@ -6,8 +6,10 @@
 #   3. a second Megatron-LM bucket of our choosing (optimizer/ and four top-level files that
 #      import without Transformer Engine), the same three runs;
 #   4. tools/bench_core.py: the no-op round trip against the stdio pool, side by side;
-#   5. tools/boundary_check.py: the session boundary's rows, CUDA ones included.
-# MEG_SECOND=0 / MEG_BENCH=0 / MEG_BOUNDARY=0 skip 3 / 4 / 5.
+#   5. tools/boundary_check.py: the session boundary's rows, CUDA ones included;
+#   6. tools/bench_torchrun.py: warm launches (a process per launch, the launch relay)
+#      against the real torchrun, nccl on the GPU.
+# MEG_SECOND=0 / MEG_BENCH=0 / MEG_BOUNDARY=0 / MEG_TORCHRUN=0 skip 3 / 4 / 5 / 6.
 # Needs (carried, git-ignored): .megatron (stage.sh's folder, plus the second bucket's files)
 # and .whl (the cp312 pyzmq wheel). Results in $OUT.
 set -uo pipefail
@@ -43,4 +45,10 @@ if [ "${MEG_BOUNDARY:-1}" != 0 ]; then
     --json "$OUT/boundary.json" --keep /tmp/boundary | tee "$OUT/boundary.txt"
   grep -h -E "restored torch|unfit|still holds|sticky" "$CPQ_STATE_DIR"/logs/*.log 2>/dev/null | cut -c1-220 | head -8
   CPQ_STATE_DIR=$CPQ_STATE_DIR PYTHONPATH=/tmp/site:$PROJ python3 -m cpq stop > /dev/null 2>&1
+fi
+
+if [ "${MEG_TORCHRUN:-1}" != 0 ]; then
+  echo "== bench_torchrun (nccl, one GPU)"
+  PYTHONPATH=/tmp/site:$PROJ PATH=$PATH timeout 300 python3 tools/bench_torchrun.py \
+    --launches 8 --nproc 1 --gpus auto 2>&1 | tail -8 | tee "$OUT/bench_torchrun.txt"
 fi
