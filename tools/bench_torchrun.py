@@ -94,16 +94,18 @@ def _launch(command):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     wall = time.perf_counter() - start
     assert done.returncode == 0, done.stderr
-    return wall, max(float(m) for m in re.findall(r"SCRIPT_S ([0-9.]+)", done.stdout))
+    own = [float(m) for m in re.findall(r"SCRIPT_S ([0-9.]+)", done.stdout)]
+    return wall, max(own or [0.0])
 
 
 def test_routed_launches():
     args = ["--nproc-per-node", "{nproc}", "{script}"]
-    runs = {{"relay": [], "process": []}}
+    runs = {{"relay": [], "process": [], "interpreter": []}}
     _launch(["torchrun", *args])
     for _ in range({n}):
         runs["relay"].append(_launch(["torchrun", *args]))
         runs["process"].append(_launch([sys.executable, "-m", "cpq", "torchrun", *args]))
+        runs["interpreter"].append(_launch([sys.executable, "-sS", "-c", "pass"]))
     with open(os.environ["BENCH_ROUTED_OUT"], "w") as out:
         json.dump(runs, out)
 """
@@ -134,7 +136,27 @@ def routed_runs(
     return {
         "torchrun in a --cpq-torchrun test (the session's launch relay)": runs["relay"],
         "python -m cpq torchrun in that test (a client per launch)": runs["process"],
+        "(the shim's floor: python -sS -c pass, started from that test)": runs["interpreter"],
     }
+
+
+def broker_parts(state: Path) -> str:
+    """The broker's own view of the warm launches (its timing history): the median wait in
+    its queue and dispatch-to-verdict (the ranks' part: the boundary, the script, the report)."""
+    rows = []
+    for line in (state / "timings.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("target") == "cpq.rank.script:run_script" and record.get("attempts") == 1:
+            rows.append((record["queue_s"], record["duration_s"]))
+    rows = rows[1:]  # the first waited for its group to start
+    if not rows:
+        return "(no launches in the broker's timing history)"
+    queue = statistics.median(q for q, _ in rows) * 1e3
+    duration = statistics.median(d for _, d in rows) * 1e3
+    return (
+        f"the broker's view of {len(rows)} warm launches (median): queued {queue:.1f} ms, "
+        f"dispatch to verdict {duration:.1f} ms"
+    )
 
 
 def suite_walls(n: int, nproc: int, script: Path, work: Path, env: dict[str, str]) -> list[str]:
@@ -271,6 +293,7 @@ def main() -> None:
         own = statistics.median(o for _, o in runs)
         beyond = statistics.median(w - o for w, o in runs)
         print(f"| {name} | {wall:.3f} | {own:.3f} | {beyond:.3f} |")
+    print(broker_parts(broker.state))
     print(f"(broker start {broker.start_s:.1f} s, not counted; logs in {work})")
     if suite:
         print(f"\nA suite of {args.suite} tests, each launching the script with torchrun:")

@@ -95,3 +95,66 @@ def test_a_mix_of_both_precision_apis_is_put_back(ready: carryover.Carryover) ->
     ready.restore_switches()
     assert torch.get_float32_matmul_precision() == "highest"  # raises on a mixed state
     assert not torch.backends.cuda.matmul.allow_tf32
+
+
+class _FakeCuda:
+    """torch.cuda as the memory check reads it: ``reserved`` MB until a full collection
+    frees ``freed_by_full_gc`` of them (memory held by an old reference cycle)."""
+
+    def __init__(self, reserved: float, freed_by_full_gc: float) -> None:
+        self.reserved, self.freed = reserved, freed_by_full_gc
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_reserved(self) -> float:
+        return self.reserved * 2**20
+
+
+@pytest.mark.parametrize(
+    ("reserved", "freed", "full_collections", "unfit"),
+    [
+        (100.0, 0.0, 0, False),  # within the allowance: no full collection
+        (4096.0, 4096.0, 1, False),  # an old cycle held it: the full collection frees it
+        (4096.0, 0.0, 1, True),  # a module global holds it: unfit
+    ],
+    ids=["fit-at-once", "freed-by-full-collection", "held"],
+)
+def test_a_full_collection_only_when_the_memory_is_over_the_allowance(
+    monkeypatch: pytest.MonkeyPatch,
+    reserved: float,
+    freed: float,
+    full_collections: int,
+    unfit: bool,
+) -> None:
+    """A full collection costs ~0.1 s with torch loaded (most of a warm launch on a GPU):
+    the verdict must be the one a full collection every time gives, at its cost only when
+    the memory is over the allowance without it."""
+    import gc
+    import sys
+    import types
+
+    cuda = _FakeCuda(reserved, freed)
+    full: list[int] = []
+
+    def collect(generation: int = 2) -> int:
+        if generation == 2:
+            full.append(1)
+            cuda.reserved -= cuda.freed
+            cuda.freed = 0.0
+        return 0
+
+    monkeypatch.setattr(gc, "collect", collect)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    checked = carryover.Carryover(switches={}, cuda_reserved_mb=0.0)
+    why = checked.unfit_after_caller()
+    assert len(full) == full_collections
+    assert bool(why) == unfit, why
+    if unfit:
+        assert "still holds 4.0 GiB of GPU memory" in why
