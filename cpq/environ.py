@@ -95,7 +95,12 @@ def split(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     for name, value in environ.items():
         kind = _kind(name, extra)
         if kind == _START:
-            start[name] = fold_paths(value) if name.endswith("PATH") else value
+            if name.endswith("PATH"):
+                folded = path_list(value)
+                if folded is None:
+                    continue
+                value = folded
+            start[name] = value
         elif kind == _TASK:
             task[name] = value
     return start, task
@@ -121,6 +126,16 @@ def fold_paths(value: str) -> str:
     a second copy of an entry finds nothing the first did not."""
     entries = [e for e in value.split(os.pathsep) if not is_route_folder(e)]
     return os.pathsep.join(dict.fromkeys(entries))
+
+
+def path_list(value: str | None) -> str | None:
+    """A path list as a spec keeps it (:func:`fold_paths`); None for none, and for one that
+    held nothing but cpq's routing folder: ``pytest --cpq-torchrun`` sets ``PYTHONPATH`` to
+    that folder where the shell had none, and a shell's launch must share its groups."""
+    if value is None:
+        return None
+    folded = fold_paths(value)
+    return None if value and not folded else folded
 
 
 @functools.lru_cache(maxsize=4096)

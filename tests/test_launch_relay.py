@@ -99,9 +99,9 @@ def test_a_sessions_launches_go_through_its_relay(
     monkeypatch.setenv("CPQ_ENDPOINT", broker)
     monkeypatch.delenv("CPQ_LAUNCH_RELAY", raising=False)
     pytester.makepyfile(script=SCRIPT, test_relayed=TESTS)
+    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"]
-        + ["--cpq-torchrun", "-q", "test_relayed.py"],
+        [*command, "--cpq-torchrun", "-q", "test_relayed.py"],
         cwd=pytester.path,
         capture_output=True,
         text=True,
@@ -190,3 +190,58 @@ def test_a_shim_whose_relay_is_gone_runs_cpq_torchrun_itself(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr
     assert "cpq torchrun: running the real torchrun: --no-python" in done.stderr
+
+
+LAUNCHING = """
+import subprocess
+
+import pytest
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_launch(case):
+    done = subprocess.run(["torchrun", "--nproc-per-node", "2", "script.py", str(case)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"RANK 1 ARGS ['{case}']" in done.stdout
+"""
+
+
+def test_shell_serial_and_xdist_launches_share_one_spec(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: a shell's ``cpq torchrun``, a serial ``--cpq-torchrun`` session and an
+    ``-n 2`` one launch the same script of one project: one spec (the route folder in
+    ``PATH`` and, twice under xdist, in ``PYTHONPATH`` is no part of it), so groups serve
+    all three instead of a group and a spare each."""
+    pytest.importorskip("xdist")
+    from conftest import start_broker
+
+    from cpq import Client
+    from cpq.client.autostart import stop_broker
+
+    process, endpoint = start_broker(tmp_path / "state", "--spares", "0")
+    try:
+        monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
+        monkeypatch.setenv("CPQ_AUTOSTART", "0")
+        monkeypatch.delenv("CPQ_LAUNCH_RELAY", raising=False)
+        pytester.makepyfile(script=SCRIPT, test_launching=LAUNCHING)
+        run = {"cwd": pytester.path, "capture_output": True, "text": True, "timeout": 600}
+        shell = subprocess.run(
+            [sys.executable, "-m", "cpq", "torchrun", "--nproc-per-node", "2", "script.py", "x"],
+            **run,  # type: ignore[call-overload]
+        )
+        assert shell.returncode == 0, shell.stderr
+        pytest_args = [sys.executable, "-m", "pytest", "-p", "no:randomly", "--cpq-torchrun"]
+        for extra in ([], ["-n", "2"]):
+            done = subprocess.run([*pytest_args, *extra, "-q"], **run)  # type: ignore[call-overload]
+            assert done.returncode == 0, done.stdout[-3000:]
+        with Client(endpoint) as client:
+            status = client.status()
+        specs = {pool["spec_id"] for pool in status["pools"]}
+        assert len(specs) == 1, [pool["env"] for pool in status["pools"]]
+        # two groups at most: the xdist workers' launches may overlap
+        assert 1 <= status["totals"]["groups_started"] <= 2, status["totals"]
+        assert status["totals"]["submitted"] == 9
+    finally:
+        stop_broker(process)

@@ -271,7 +271,6 @@ class Carryover:
             )
         return ""
 
-
     def _held_mb(self, torch: Any, full: bool) -> float:
         """GPU memory reserved beyond the ready baseline once the caller's objects are gone.
 

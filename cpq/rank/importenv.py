@@ -162,8 +162,11 @@ def differs(environ: dict[bytes, bytes] | None = None) -> tuple[str, bool]:
 
 def _same_path_list(key: bytes, now: bytes | None, then: bytes | None) -> bool:
     """Two values of a path list that search the same folders but cpq's routing folder."""
-    if not key.endswith(b"PATH") or now is None or then is None:
+    if not key.endswith(b"PATH"):
         return False
-    from cpq.environ import fold_paths
+    from cpq.environ import path_list
 
-    return fold_paths(os.fsdecode(now)) == fold_paths(os.fsdecode(then))
+    def folded(value: bytes | None) -> str | None:
+        return path_list(None if value is None else os.fsdecode(value))
+
+    return folded(now) == folded(then)

@@ -87,6 +87,9 @@ def test_path_lists_are_folded_and_the_routing_folder_left_out() -> None:
     shell = {"PYTHONPATH": "/proj:/lib"}
     assert environ.split(serial)[0] == environ.split(xdist)[0] == environ.split(shell)[0]
     assert environ.fold_paths("/a:/b:/a") == "/a:/b"  # the first wins, as in a search
+    # PYTHONPATH set to the routing folder where the shell had none: the shell's spec
+    assert environ.split({"PYTHONPATH": route})[0] == environ.split({})[0] == {}
+    assert environ.split({"PYTHONPATH": ""})[0] == {"PYTHONPATH": ""}  # the user's own
 
 
 def test_default_roots_leave_the_routing_folder_out(monkeypatch: pytest.MonkeyPatch) -> None:
