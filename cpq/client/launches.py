@@ -43,14 +43,8 @@ import pytest
 
 from cpq import environ, paths
 from cpq.client.launch_relay import RELAY_VAR, SHIM, LaunchRelay
-from cpq.client.torchrun import (
-    WAITS_VAR,
-    endpoint_of,
-    report_wait,
-    route_in_process,
-    route_on_import,
-    run_argv,
-)
+from cpq.client.run_routing import route_in_process, route_on_import, run_argv
+from cpq.client.torchrun import WAITS_VAR, endpoint_of, report_wait
 
 __all__ = [
     "WAITS_VAR",
@@ -117,7 +111,7 @@ class _CpqRouteRun:
             return None
         sys.meta_path.remove(self)
         try:
-            from cpq.client.torchrun import route_on_import
+            from cpq.client.run_routing import route_on_import
         except Exception:
             return None
         return route_on_import().find_spec(fullname, path, target)
