@@ -25,8 +25,15 @@ def default_roots(cwd: str | None = None, env: Mapping[str, str] | None = None) 
     """Import roots a plain client sends: its working directory and ``PYTHONPATH`` (of
     ``cwd`` and ``env`` when given: a process the launch relay serves)."""
     cwd = os.getcwd() if cwd is None else cwd
+    return list(dict.fromkeys([cwd, *pythonpath_roots(cwd, env)]))
+
+
+def pythonpath_roots(cwd: str | None = None, env: Mapping[str, str] | None = None) -> list[str]:
+    """``PYTHONPATH``'s entries, absolute, each once, without cpq's routing folder: the
+    import roots of a launch (a new worker does not import from its working directory)."""
+    cwd = os.getcwd() if cwd is None else cwd
     env = os.environ if env is None else env
-    roots = [cwd]
+    roots = []
     for entry in env.get("PYTHONPATH", "").split(os.pathsep):
         if entry and not environ.is_route_folder(entry):  # cpq's own (environ.fold_paths)
             roots.append(os.path.normpath(os.path.join(cwd, entry)))

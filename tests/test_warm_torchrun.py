@@ -148,6 +148,16 @@ def test_variable_read_at_import_follows_each_launch(tmp_path):
     assert "MODE a" in second.stdout and "MODE b" not in second.stdout
 
 
+def test_the_working_directory_is_not_on_a_workers_path(tmp_path):
+    # a module beside the caller, not beside the script: importable only through PYTHONPATH
+    alone = launch(["--nproc-per-node", "2", "scripts/uses_local.py"], env={"PYTHONPATH": ""})
+    assert alone.returncode == 1, alone.stderr
+    assert "No module named 'localmod'" in alone.stderr
+    on_path = launch(["--nproc-per-node", "2", "scripts/uses_local.py"])
+    assert on_path.returncode == 0, on_path.stderr
+    assert on_path.stdout.count("LOCAL OK") == 2
+
+
 def test_save_with_four_load_with_two(tmp_path):
     saved = launch(["--nproc-per-node", "4", "ckpt.py", "save", str(tmp_path)])
     assert saved.returncode == 0, saved.stderr
@@ -186,6 +196,11 @@ def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPa
     (pytester.path / "pkg").mkdir()
     (pytester.path / "pkg" / "__init__.py").write_text("")
     (pytester.path / "pkg" / "mod.py").write_text(MODULE)
+    (pytester.path / "localmod.py").write_text("VALUE = 'LOCAL OK'\n")
+    (pytester.path / "scripts").mkdir()
+    (pytester.path / "scripts" / "uses_local.py").write_text(
+        "import localmod\n\nprint(localmod.VALUE)\n"
+    )
     return pytester.path
 
 
@@ -218,7 +233,7 @@ def test_a_suite_of_launches_gives_the_same_verdicts_warm(project: Path) -> None
     launch of the spec: test_variable_read... and test_hang... launch twice, and most tests
     share the ws=2 spec), so it is compared cold and warm in one run."""
     plain, plain_out = _session(project, "plain")
-    assert set(plain.values()) == {"passed"} and len(plain) == 7, plain_out[-3000:]
+    assert set(plain.values()) == {"passed"} and len(plain) == 8, plain_out[-3000:]
     got, out = _session(project, "cpq", "--cpq-torchrun")
     assert got == plain, f"{got} != {plain}\n{out[-4000:]}"
     # Every launch ran on a warm group: no real torchrun said it ran.

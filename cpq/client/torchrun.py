@@ -235,7 +235,7 @@ def run_launch(
     """Run a launch that can run warm on ``client``'s broker for ``caller``: its output on
     the caller's streams, torchrun's exit status returned. Raises what the client raises
     when the broker goes away (the script may then have run: never run it again)."""
-    from cpq.specs import default_roots
+    from cpq.specs import pythonpath_roots
 
     launch = planned.launch
     kwargs = {
@@ -255,7 +255,10 @@ def run_launch(
         retries=0,  # a launch that dies is the script's verdict, as under torchrun
         test_id="torchrun " + " ".join(launch.argv)[:200],
         environ=None if here else dict(caller.environ),
-        roots=None if here else default_roots(caller.cwd, caller.environ),
+        # A new worker's sys.path holds the script's folder and PYTHONPATH, never the
+        # caller's working directory: the group's roots are PYTHONPATH's entries alone, so
+        # launches from any folder share groups (rank/script.py: worker_path).
+        roots=pythonpath_roots(caller.cwd, caller.environ),
         on_sent=on_sent,
     )
     report_wait(result.spawn_wait_s, list(result.groups or [result.group_id]), caller.environ)

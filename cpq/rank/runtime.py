@@ -477,6 +477,7 @@ def main() -> None:
     context: zmq.Context[Any] = zmq.Context()
     link = Link(config, context)
     Watchdog(link).start()  # says hello and heartbeats while this thread starts up
+    script.remember_interpreter_path()  # before the roots: a launch's path has none of them
     for root in reversed(config.roots):
         if root not in sys.path:
             sys.path.insert(0, root)

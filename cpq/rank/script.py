@@ -4,8 +4,10 @@
 script (or ``-m`` module), its arguments and the caller's working directory; every rank of
 a warm group then does what a fresh torchrun worker would:
 
-* ``sys.argv`` is the script and its arguments, ``sys.path[0]`` the script's folder (the
-  working directory for ``-m``), the working directory and environment are the caller's
+* ``sys.argv`` is the script and its arguments; ``sys.path`` is a new worker's: the script's
+  folder (the working directory for ``-m``), then ``PYTHONPATH``'s entries, then the
+  interpreter's own (:func:`worker_path`; not the group's import roots, nor the folder the
+  rank started in); the working directory and environment are the caller's
   (the rank's reset applied them), and the worker variables torchrun's agent sets are there
   (the rank is a torchrun worker: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``, the
   ``TORCHELASTIC_*`` ones, with this run's id and an error file for ``@record``);
@@ -45,6 +47,31 @@ TARGET = "cpq.rank.script:run_script"
 #: Why this rank must not serve another launch ("" when it may): read after the task.
 leftover = ""
 
+#: ``sys.path`` as the interpreter built it for this rank, less what a new worker would
+#: have otherwise: the folder the rank started in (``-m``) and ``PYTHONPATH``'s entries.
+_interpreter_path: list[str] = []
+
+
+def remember_interpreter_path() -> None:
+    """At the rank's start, before it adds its import roots (:func:`worker_path`)."""
+    given = set(_pythonpath_entries(os.environ.get("PYTHONPATH", ""), os.getcwd()))
+    _interpreter_path[:] = [p for p in sys.path[1:] if p not in given]
+
+
+def _pythonpath_entries(value: str, cwd: str) -> list[str]:
+    return [os.path.normpath(os.path.join(cwd, e)) for e in value.split(os.pathsep) if e]
+
+
+def worker_path(first: str) -> list[str]:
+    """``sys.path`` of a new ``python SCRIPT`` worker in this environment: ``first`` (the
+    script's folder), the entries of ``PYTHONPATH`` (as the caller's, which the spec
+    carries), the interpreter's own. A module in the caller's working directory is then
+    importable only if it would be under torchrun (the directory is on ``PYTHONPATH``, or the
+    script's own)."""
+    entries = _pythonpath_entries(os.environ.get("PYTHONPATH", ""), os.getcwd())
+    rest = _interpreter_path or sys.path[1:]  # not remembered: a test of this module alone
+    return list(dict.fromkeys([first, *entries, *rest]))
+
 
 def run_script(
     argv: list[str], module: bool, cwd: str, run_id: str, nproc: int, local_rank_arg: bool = False
@@ -76,7 +103,7 @@ def run_script(
     sys.argv = list(argv)
     if local_rank_arg:
         sys.argv.insert(1, f"--local-rank={os.environ.get('LOCAL_RANK', '0')}")
-    sys.path.insert(0, cwd if module else os.path.dirname(os.path.abspath(argv[0])))
+    sys.path[:] = worker_path(cwd if module else os.path.dirname(os.path.abspath(argv[0])))
     groups_before = {id(pg) for pg in pgroups.made_groups()}
     code, text = 0, ""
     with pgroups.as_fresh_worker(), _exit_raises():
