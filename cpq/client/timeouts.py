@@ -7,7 +7,8 @@ tests cpq takes pytest-timeout's timer (its ``pytest_timeout_set_timer`` hook) a
 what is left of the timeout to the broker as the task's deadline: when it passes, the
 broker collects every rank's stack, stops the task's group (the next test runs on the spare
 group, without waiting for a spawn) and the test fails with pytest-timeout's own message
-followed by where each rank was. The task is not retried.
+(its JUnit message) and where each rank was on the test's captured stderr, where
+pytest-timeout puts its own stack dump. The task is not retried.
 
 The deadline runs from the moment a rank begins the test's protocol: the rank's pytest
 session build before it (plugins, conftests, collection; the broker allows it the start
@@ -96,5 +97,8 @@ def fail_if_timed_out(item: pytest.Item, result: TaskResult) -> None:
     if timer is None or result.outcome != "error" or result.cause != "deadline":
         return
     first, _, detail = result.message.partition("\n")
-    lines = [FAILURE_MESSAGE % timer[0], f"cpq: {first}; the group was stopped"]
-    pytest.fail("\n".join([*lines, detail] if detail else lines), pytrace=False)
+    # pytest-timeout's message is the failure (JUnit's message too); its stack dump goes to
+    # stderr, where cpq's word and each rank's stack go as well.
+    lines = [f"cpq: {first}; the group was stopped", *([detail] if detail else [])]
+    item.add_report_section("call", "stderr", "\n".join(lines) + "\n")
+    pytest.fail(FAILURE_MESSAGE % timer[0], pytrace=False)

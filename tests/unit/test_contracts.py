@@ -90,6 +90,10 @@ class _Item:
     def __init__(self) -> None:
         self.stash = pytest.Stash()
         self.stash[timeouts.TIMER_KEY] = (3.0, 0.0)
+        self.sections: list[tuple[str, str, str]] = []
+
+    def add_report_section(self, when: str, key: str, content: str) -> None:
+        self.sections.append((when, key, content))
 
 
 def test_the_client_fails_as_pytest_timeout_by_the_cause_never_by_the_words() -> None:
@@ -101,10 +105,12 @@ def test_the_client_fails_as_pytest_timeout_by_the_cause_never_by_the_words() ->
         message="the broker's words\nrank 0: in recv",
         cause="deadline",
     )
+    item = _Item()
     with pytest.raises(pytest.fail.Exception) as failed:
-        timeouts.fail_if_timed_out(_Item(), by_cause)  # type: ignore[arg-type]
-    text = str(failed.value)
-    assert text.startswith("Timeout (>3.0s) from pytest-timeout.") and "rank 0: in recv" in text
+        timeouts.fail_if_timed_out(item, by_cause)  # type: ignore[arg-type]
+    assert str(failed.value) == "Timeout (>3.0s) from pytest-timeout."  # pytest-timeout's
+    [(when, key, text)] = item.sections  # the stacks on stderr, as pytest-timeout's dump
+    assert (when, key) == ("call", "stderr") and "rank 0: in recv" in text
 
 
 # --------------------------------------------------------------------------- a rank's refusal
