@@ -162,7 +162,8 @@ def test_a_timed_out_test_leaves_the_next_one_a_warm_group(
     assert "1 failed, 1 passed" in out, out
     assert "Timeout (>2.0s) from pytest-timeout." in out
     # JUnit's message is pytest-timeout's alone, as a fresh run's; the stacks are on stderr
-    assert '<failure message="Failed: Timeout (&gt;2.0s) from pytest-timeout.">' in junit.read_text()
+    message = '<failure message="Failed: Timeout (&gt;2.0s) from pytest-timeout.">'
+    assert message in junit.read_text()
     assert "Captured stderr call" in out and "the group was stopped" in out
     # --durations as a fresh run's: the time in the call (where the ranks hung), not in a
     # setup that only waited for the verdict
