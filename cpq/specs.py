@@ -33,10 +33,12 @@ def pythonpath_roots(cwd: str | None = None, env: Mapping[str, str] | None = Non
     import roots of a launch (a new worker does not import from its working directory)."""
     cwd = os.getcwd() if cwd is None else cwd
     env = os.environ if env is None else env
+    value = env.get("PYTHONPATH", "")
     roots = []
-    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and not environ.is_route_folder(entry):  # cpq's own (environ.fold_paths)
-            roots.append(os.path.normpath(os.path.join(cwd, entry)))
+    for entry in value.split(os.pathsep) if value else []:
+        if not environ.is_route_folder(entry):  # cpq's own (environ.fold_paths)
+            # as Python reads it: relative to cwd, an empty entry (":/x") cwd itself
+            roots.append(os.path.normpath(os.path.join(cwd, entry)) if entry else cwd)
     return list(dict.fromkeys(roots))
 
 

@@ -86,6 +86,16 @@ def test_passing_task_returns_rank_zeros_value(client: Client) -> None:
     assert result.notes == []
 
 
+def test_a_ready_rank_froze_what_it_held(client: Client) -> None:
+    """The check after every caller is a full garbage collection; what the ready rank holds
+    (torch and its preloads) is frozen out of it, or it would walk them all (~0.1 s a
+    launch with torch loaded, most of a warm launch on the H200 host)."""
+    result = client.submit("workers.collectives:rank_info", WS)
+    assert result.outcome == "passed", result.message
+    frozen = [rank.value["frozen_objects"] for rank in result.ranks]
+    assert len(frozen) == WS and min(frozen) > 10_000, frozen  # torch alone has more
+
+
 def test_assertion_on_one_rank_fails_with_that_ranks_traceback(client: Client) -> None:
     result = client.submit("workers.collectives:fail_on_rank", WS, {"rank": 1, "message": "boom"})
     assert result.outcome == "failed", explain(result)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from cpq.client.launch_relay import SHIM, LaunchRelay, read_frame
+from cpq.client.launch_relay import _BROKER_VARS, SHIM, LaunchRelay, read_frame
 
 pytest_plugins = ["pytester"]
 
@@ -134,8 +134,10 @@ def _ask(relay: LaunchRelay, raw: bytes) -> dict[str, Any]:
 
 
 def _request(**fields: Any) -> bytes:
+    """A shim's request from this process's environment (its broker variables), but
+    ``fields``."""
     value = {"v": 1, "argv": ["script.py"], "python": sys.executable, "cwd": os.getcwd()}
-    value["env"] = {"CPQ_ENDPOINT": "ipc:///nonexistent/cpq-test-broker.sock"}
+    value["env"] = {k: os.environ[k] for k in _BROKER_VARS if k in os.environ}
     value.update(fields)
     body = json.dumps(value).encode()
     return struct.pack(">I", len(body)) + body

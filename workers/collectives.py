@@ -6,6 +6,7 @@ and the tasks the core tests and benchmarks use.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -81,6 +82,7 @@ def rank_info() -> dict[str, Any]:
         "backend": dist.get_backend(),
         "pid": os.getpid(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "frozen_objects": gc.get_freeze_count(),
     }
 
 

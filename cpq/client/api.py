@@ -10,6 +10,7 @@ notices a dead client the same way (and drops its queued tasks).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -436,7 +437,7 @@ class Client:
         self._socket.kicked.set()  # the background thread reads the answer
         try:
             return future.result(timeout=timeout_s)
-        except TimeoutError:
+        except (TimeoutError, concurrent.futures.TimeoutError):  # one class from 3.11 on
             raise BrokerUnavailable(
                 f"no answer from a cpq broker at {self.endpoint} within {timeout_s:g}s "
                 "(start one with `cpq-broker`, or let the pytest plugin start it)"

@@ -35,6 +35,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 from typing import Any
 
 from cpq.client import torchrun
@@ -45,6 +46,8 @@ log = logging.getLogger("cpq.client")
 RELAY_VAR = "CPQ_LAUNCH_RELAY"
 #: A request's size limit: a command line and an environment, not a payload.
 MAX_REQUEST_BYTES = 16 << 20
+#: What chooses a launch's broker (cpq.paths.default_endpoint and the endpoint variable).
+_BROKER_VARS = ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "XDG_RUNTIME_DIR")
 #: Longest path a Unix socket may bind (``sun_path`` less its terminating NUL).
 _MAX_SOCKET_PATH = 107
 
@@ -59,13 +62,13 @@ def _slow(args):
 
 
 def _read(sock, size):
-    data = b""
+    data = bytearray()
     while len(data) < size:
-        chunk = sock.recv(size - len(data))
+        chunk = sock.recv(min(size - len(data), 1 << 20))
         if not chunk:
             return None
         data += chunk
-    return data
+    return bytes(data)
 
 
 def _main(args):
@@ -223,16 +226,27 @@ class LaunchRelay:
         while not self._closed:
             try:
                 conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(
-                target=self._serve, args=(conn,), name="cpq-launch", daemon=True
-            ).start()
+            except OSError as exc:
+                if self._closed:
+                    return
+                # out of descriptors, say: the shims waiting in the backlog get their turn
+                log.warning("launch relay: accept failed (%s); retrying", exc)
+                time.sleep(0.1)
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve, args=(conn,), name="cpq-launch", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had: the shim runs cpq torchrun itself
+                with contextlib.suppress(OSError):
+                    write_frame(conn, {"fallback": "the launch relay has no thread free"})
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        watches: list[_Watch] = []
         with conn:
             try:
-                reply = self._answer(conn)
+                reply = self._answer(conn, watches)
             except Exception as exc:  # never a launch lost without a word
                 log.exception("launch relay")
                 reply = {"writes": [[2, f"cpq torchrun: the launch relay failed: {exc}\n"]]}
@@ -241,8 +255,10 @@ class LaunchRelay:
                 if reply is not None:
                     write_frame(conn, reply)
                 conn.shutdown(socket.SHUT_RDWR)  # ends the watcher's read, whatever the shim does
+            for watch in watches:  # before the close: its descriptor may not be reused under it
+                watch.join()
 
-    def _answer(self, conn: socket.socket) -> dict[str, Any] | None:
+    def _answer(self, conn: socket.socket, watches: list[_Watch]) -> dict[str, Any] | None:
         from cpq.client.api import BrokerUnavailable
 
         if not _same_user(conn):
@@ -266,10 +282,16 @@ class LaunchRelay:
         writes: list[list[Any]] = []
         caller = torchrun.Caller(env, request["cwd"], _Output(1, writes), _Output(2, writes))
         watch = _Watch(conn, client)
+        watches.append(watch)
         try:
             code = torchrun.run_launch(planned, client, caller, on_sent=watch.sent)
-        except (BrokerUnavailable, OSError, RuntimeError) as exc:
-            self._forget(client)
+        except Exception as exc:
+            if isinstance(exc, BrokerUnavailable):
+                self._forget(client)  # the next launch connects afresh
+            if not watch.task_id:  # nothing was sent: the shim's own cpq torchrun may
+                return {"fallback": f"the launch relay could not send it: {exc}"}
+            if not isinstance(exc, (BrokerUnavailable, OSError, RuntimeError)):
+                raise
             writes.append([2, f"cpq torchrun: the broker went away during the launch: {exc}\n"])
             code = 1
         finally:
@@ -281,8 +303,10 @@ class LaunchRelay:
         from cpq import specs
 
         env = request["env"]
-        if torchrun.endpoint_of(env) != self.endpoint:
-            return "another broker"  # not said: the slow path serves it warm
+        # The variables that choose a broker (cpq.paths): the same as this process's, or the
+        # shim's own cpq torchrun finds its broker (not said: it runs warm there).
+        if any(env.get(name) != os.environ.get(name) for name in _BROKER_VARS):
+            return "another broker"
         if specs._canonical(request["python"]) != specs.interpreter():
             return "another interpreter"
         return ""
@@ -315,10 +339,16 @@ class _Watch:
         self.conn, self.client = conn, client
         self.task_id = ""
         self.finished = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def sent(self, task_id: str) -> None:
         self.task_id = task_id
-        threading.Thread(target=self._wait, name="cpq-launch-watch", daemon=True).start()
+        self.thread = threading.Thread(target=self._wait, name="cpq-launch-watch", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=5)
 
     def _wait(self) -> None:
         try:

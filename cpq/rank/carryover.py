@@ -261,27 +261,17 @@ class Carryover:
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
             return ""
-        held = self._held_mb(torch, full=False)
-        if held > MEMORY_ALLOWANCE_MB:
-            held = self._held_mb(torch, full=True)
+        # A full collection, cheap: the rank froze what it held when it became ready
+        # (runtime.main: gc.freeze), so this walks only what callers made since.
+        gc.collect()
+        torch.cuda.empty_cache()
+        held = _reserved_mb(torch) - self.cuda_reserved_mb
         if held > MEMORY_ALLOWANCE_MB:
             return (
                 f"still holds {held / 1024:.1f} GiB of GPU memory after its caller's objects "
                 f"are gone (a module global?); a new process would hold none"
             )
         return ""
-
-    def _held_mb(self, torch: Any, full: bool) -> float:
-        """GPU memory reserved beyond the ready baseline once the caller's objects are gone.
-
-        What a caller just dropped in a reference cycle is young: the young generations'
-        collection finds it in microseconds. A full collection walks every object torch and
-        CUDA hold (~0.1 s with torch loaded; it was most of a warm launch's cost on the H200
-        host), so it runs only when the memory is over the allowance without it: it can
-        only free more, so the verdict is the same."""
-        gc.collect(2 if full else 1)
-        torch.cuda.empty_cache()
-        return _reserved_mb(torch) - self.cuda_reserved_mb
 
 
 def sticky_cuda_error() -> str:

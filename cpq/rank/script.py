@@ -59,7 +59,11 @@ def remember_interpreter_path() -> None:
 
 
 def _pythonpath_entries(value: str, cwd: str) -> list[str]:
-    return [os.path.normpath(os.path.join(cwd, e)) for e in value.split(os.pathsep) if e]
+    """As Python reads ``PYTHONPATH``: relative to the working directory, an empty entry
+    (``:/x``) the working directory itself, an empty variable nothing."""
+    if not value:
+        return []
+    return [os.path.normpath(os.path.join(cwd, e)) if e else cwd for e in value.split(os.pathsep)]
 
 
 def worker_path(first: str) -> list[str]:
