@@ -158,20 +158,22 @@ def test_raw_requests_leave_the_broker_serving(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- client side
 
 
-def test_client_refuses_what_the_broker_could_not_decode(client: Client) -> None:
+def test_client_refuses_what_the_broker_could_not_decode(broker: str) -> None:
     """Checked before sending, naming the argument. (Before the fix, int map keys went out,
     the broker refused the frame, and the caller's future waited forever.)"""
     deep: Any = None
     for _ in range(10_000):
         deep = [deep]
-    before = client.status()["totals"]["submitted"]
-    with pytest.raises(EncodeError, match=r"argument 'nested' \(a list\).*recursion limit"):
-        client.submit(NOOP, WS, {"nested": deep})
-    with pytest.raises(EncodeError, match=r"argument 'table' \(a dict\).*map key"):
-        client.submit_async(NOOP, WS, {"table": {1: "one"}}).result(timeout=10)
-    with pytest.raises(EncodeError, match=r"argument 'when' \(a datetime\)"):
-        client.submit(NOOP, WS, {"when": datetime.datetime.now()})
-    assert client.status()["totals"]["submitted"] == before
+    with Client(broker, name="refused-arguments") as client:
+        with pytest.raises(EncodeError, match=r"argument 'nested' \(a list\).*recursion limit"):
+            client.submit(NOOP, WS, {"nested": deep})
+        with pytest.raises(EncodeError, match=r"argument 'table' \(a dict\).*map key"):
+            client.submit_async(NOOP, WS, {"table": {1: "one"}}).result(timeout=10)
+        with pytest.raises(EncodeError, match=r"argument 'when' \(a datetime\)"):
+            client.submit(NOOP, WS, {"when": datetime.datetime.now()})
+        # this client's own count (the shared broker serves other tests' clients meanwhile)
+        [mine] = [c for c in client.status()["clients"] if c["name"] == "refused-arguments"]
+        assert mine["submitted"] == 0
 
 
 # --------------------------------------------------------------------------- raw backend
