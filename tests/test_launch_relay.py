@@ -94,21 +94,31 @@ def test_what_cannot_run_warm_runs_the_real_torchrun():
 
 
 def test_a_sessions_launches_go_through_its_relay(
-    pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.delenv("CPQ_LAUNCH_RELAY", raising=False)
-    pytester.makepyfile(script=SCRIPT, test_relayed=TESTS)
-    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        [*command, "--cpq-torchrun", "-q", "test_relayed.py"],
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "3 passed" in done.stdout
+    from conftest import start_broker
+
+    from cpq.client.autostart import stop_broker
+
+    # a broker of its own: pytester's HOME would become part of the shared broker's specs
+    process, endpoint = start_broker(tmp_path / "state")
+    try:
+        monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
+        monkeypatch.setenv("CPQ_AUTOSTART", "0")
+        monkeypatch.delenv("CPQ_LAUNCH_RELAY", raising=False)
+        pytester.makepyfile(script=SCRIPT, test_relayed=TESTS)
+        command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"]
+        done = subprocess.run(
+            [*command, "--cpq-torchrun", "-q", "test_relayed.py"],
+            cwd=pytester.path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        assert "3 passed" in done.stdout
+    finally:
+        stop_broker(process)
 
 
 # ---- the relay's socket, asked what no shim asks
