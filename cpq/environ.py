@@ -128,6 +128,15 @@ def fold_paths(value: str) -> str:
     return os.pathsep.join(dict.fromkeys(entries))
 
 
+def pythonpath_entries(value: str, cwd: str) -> list[str]:
+    """The folders a ``PYTHONPATH`` of ``value`` adds for a process in ``cwd``, as Python
+    reads it: relative to ``cwd``, an empty entry (``:/x``) ``cwd`` itself, an empty
+    variable nothing."""
+    if not value:
+        return []
+    return [os.path.normpath(os.path.join(cwd, e)) if e else cwd for e in value.split(os.pathsep)]
+
+
 def path_list(value: str | None) -> str | None:
     """A path list as a spec keeps it (:func:`fold_paths`); None for none, and for one that
     held nothing but cpq's routing folder: ``pytest --cpq-torchrun`` sets ``PYTHONPATH`` to

@@ -33,13 +33,9 @@ def pythonpath_roots(cwd: str | None = None, env: Mapping[str, str] | None = Non
     import roots of a launch (a new worker does not import from its working directory)."""
     cwd = os.getcwd() if cwd is None else cwd
     env = os.environ if env is None else env
-    value = env.get("PYTHONPATH", "")
-    roots = []
-    for entry in value.split(os.pathsep) if value else []:
-        if not environ.is_route_folder(entry):  # cpq's own (environ.fold_paths)
-            # as Python reads it: relative to cwd, an empty entry (":/x") cwd itself
-            roots.append(os.path.normpath(os.path.join(cwd, entry)) if entry else cwd)
-    return list(dict.fromkeys(roots))
+    entries = environ.pythonpath_entries(env.get("PYTHONPATH", ""), cwd)
+    # without cpq's own routing folder (environ.fold_paths)
+    return list(dict.fromkeys(e for e in entries if not environ.is_route_folder(e)))
 
 
 def interpreter() -> str:

@@ -38,6 +38,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from cpq import environ
 from cpq.rank.items import ItemRun
 
 CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -54,16 +55,8 @@ _interpreter_path: list[str] = []
 
 def remember_interpreter_path() -> None:
     """At the rank's start, before it adds its import roots (:func:`worker_path`)."""
-    given = set(_pythonpath_entries(os.environ.get("PYTHONPATH", ""), os.getcwd()))
+    given = set(environ.pythonpath_entries(os.environ.get("PYTHONPATH", ""), os.getcwd()))
     _interpreter_path[:] = [p for p in sys.path[1:] if p not in given]
-
-
-def _pythonpath_entries(value: str, cwd: str) -> list[str]:
-    """As Python reads ``PYTHONPATH``: relative to the working directory, an empty entry
-    (``:/x``) the working directory itself, an empty variable nothing."""
-    if not value:
-        return []
-    return [os.path.normpath(os.path.join(cwd, e)) if e else cwd for e in value.split(os.pathsep)]
 
 
 def worker_path(first: str) -> list[str]:
@@ -72,7 +65,7 @@ def worker_path(first: str) -> list[str]:
     carries), the interpreter's own. A module in the caller's working directory is then
     importable only if it would be under torchrun (the directory is on ``PYTHONPATH``, or the
     script's own)."""
-    entries = _pythonpath_entries(os.environ.get("PYTHONPATH", ""), os.getcwd())
+    entries = environ.pythonpath_entries(os.environ.get("PYTHONPATH", ""), os.getcwd())
     rest = _interpreter_path or sys.path[1:]  # not remembered: a test of this module alone
     return list(dict.fromkeys([first, *entries, *rest]))
 
