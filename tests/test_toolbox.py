@@ -8,6 +8,7 @@ broker, real torchrun groups (gloo), real ZeroMQ.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -16,7 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_broker, wait_for_status
+from conftest import (
+    VERDICTS_PLUGIN,
+    combined_verdicts,
+    run_with_verdicts,
+    start_broker,
+    wait_for_status,
+)
 
 from cpq import Client
 
@@ -125,6 +132,71 @@ def test_reruns_give_a_fresh_runs_attempts(
     assert match is not None and match[1] == "3", out  # one group per attempt, no more
     # Three 3 s timeouts (a fresh spare or spawn each); never cpq's default 90 s deadline.
     assert "deadline of 90s" not in out and out.count("deadline of 3s passed") >= 1, out
+
+
+ONCE_PER_PROCESS = """
+import os
+import pytest
+{imports}
+
+SEEN = []
+
+
+def test_first():
+    SEEN.append("first")
+
+
+{decorator}
+def test_last_fails_once_per_process():
+    # Flaky as real tests are: the first attempt in a process fails (a cache still empty,
+    # a counter), a rerun in the same process passes.
+    SEEN.append("last")
+    assert SEEN == ["first", "last", "last"], SEEN
+"""
+
+ONCE = {
+    "pytest-rerunfailures": ("", "", ("-p", "no:flaky", "--reruns", "1")),
+    "flaky": ("from flaky import flaky", "@flaky(max_runs=2)", ("-p", "no:rerunfailures")),
+}
+
+
+@pytest.mark.parametrize("plugin", sorted(ONCE))
+def test_a_rerun_of_the_last_test_finds_its_modules_state(
+    pytester: pytest.Pytester, shared: str, monkeypatch: pytest.MonkeyPatch, plugin: str
+) -> None:
+    """A rerun plugin reruns a test in the process that ran it: the session's last test,
+    failing once per process, passes on its rerun in ``torchrun -m pytest``, each rank's
+    module state kept. Under cpq its rerun found the modules imported afresh (the ranks had
+    ended the session with its last test) and failed: a newcomer's trial found it."""
+    imports, decorator, flags = ONCE[plugin]
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    pytester.makepyfile(
+        test_once=ONCE_PER_PROCESS.format(imports=imports, decorator=decorator),
+        verdicts=VERDICTS_PLUGIN,
+    )
+    common = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", *flags]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    fresh = run_with_verdicts(
+        [*torchrun, "--nproc-per-node", "2", "-m", "pytest", *common],
+        pytester.path / "fresh",
+        pytester.path,
+    )
+    reference = combined_verdicts(
+        [json.loads((pytester.path / f"fresh-{r}.json").read_text()) for r in (0, 1)]
+    )
+    assert reference == {
+        "test_once.py::test_first": "passed",
+        "test_once.py::test_last_fails_once_per_process": "passed",
+    }, fresh.stdout[-3000:]
+    warm = run_with_verdicts(
+        [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *common],
+        pytester.path / "cpq",
+        pytester.path,
+    )
+    got = json.loads((pytester.path / "cpq-client.json").read_text())
+    assert got == reference, warm.stdout[-4000:]
+    assert "cpq: 3 task(s)" in warm.stdout, warm.stdout[-4000:]  # the rerun ran on the ranks
 
 
 NEXT = """

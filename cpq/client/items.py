@@ -236,11 +236,14 @@ def _setup(item: pytest.Item) -> None:
     run.phases, run.refused = {}, None
     confirm.forget(item)
     try:
-        run.result = result = run.submit(run.kwargs)
+        kwargs = run.kwargs
+        if reruns.rerun_may_follow(item):  # sent only then: an older rank reads no "rerun"
+            kwargs = {**kwargs, "rerun": True}
+        run.result = result = run.submit(kwargs)
         phases = _phases(item, run, result)
         if phases is not None and confirm.wanted(item.config, result, _failed(phases)):
             warm = confirm.warm_text(result, [r.longreprtext for r in phases.values() if r.failed])
-            run.result = result = run.submit(run.kwargs, fresh_group=True)
+            run.result = result = run.submit(kwargs, fresh_group=True)
             phases = _phases(item, run, result)
             confirm.note(item, phases is None or _failed(phases), warm)
     except BrokerGone as exc:  # one line, in the call phase (a timeout's fails the setup)

@@ -74,6 +74,22 @@ def rerun_by_plugin(item: pytest.Item) -> str:
     return ""
 
 
+def rerun_may_follow(item: pytest.Item) -> bool:
+    """Whether a rerun plugin may run ``item`` again after the attempt about to start.
+
+    A fresh run reruns a test in the process that ran it: the module state the first
+    attempt left (a counter, a cache) is what the rerun finds. The ranks keep the calling
+    session open after its last test for such an attempt (``cpq.rank.items.run_item``), so
+    that a rerun finds it there too. flaky may rerun a passing test (``min_passes``), so
+    under flaky every attempt may be followed."""
+    which = rerun_by_plugin(item)
+    if which == "pytest-rerunfailures":
+        plugin = importlib.import_module("pytest_rerunfailures")
+        attempt = getattr(item, "execution_count", 1)  # the plugin counts before each attempt
+        return bool(attempt <= (plugin.get_reruns_count(item) or 0))
+    return which == "flaky"
+
+
 def retries_for(item: pytest.Item, configured_retries: int, timed: bool) -> int:
     """Infra retries for this test's task: none under a rerun plugin or pytest-timeout."""
     if timed or rerun_by_plugin(item):

@@ -430,10 +430,16 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
 
 
 def run_item(
-    session: str, setup: dict[str, Any], nodeid: str, path: str, next: str | None = None
+    session: str,
+    setup: dict[str, Any],
+    nodeid: str,
+    path: str,
+    next: str | None = None,
+    rerun: bool = False,
 ) -> ItemRun:
     """Run test ``nodeid`` (of the file ``path``) through this rank's pytest session of the
-    calling ``session``; ``next`` is the caller's next test id (None: its last test)."""
+    calling ``session``; ``next`` is the caller's next test id (None: its last test);
+    ``rerun``: the caller's rerun plugin may run this test again after this attempt."""
     rank = int(os.environ.get("RANK", "0"))
     current = _session_for(session, setup, rank)
     current.recorder.clear()
@@ -453,7 +459,8 @@ def run_item(
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
     current.run(item, next)
     ran = _item_run(current, rank)
-    if next is None:  # the caller's last test: its session ends here now
+    # The caller's last test: its session ends here now (unless a rerun of it may come).
+    if next is None and not _rerun_may_come(rerun, ran):
         global session_ended
         if began is not None:
             # The test's protocol is over (its session fixtures torn down with it): what
@@ -464,6 +471,21 @@ def run_item(
         close_current()
         session_ended = True
     return ran
+
+
+def _rerun_may_come(rerun: bool, ran: ItemRun) -> bool:
+    """Whether the session must stay open after its last test for a rerun of it.
+
+    A fresh run's rerun plugin reruns a test in the same process, after tearing down
+    towards no next test: fixtures are set up again, but the modules (their state) are the
+    first attempt's. So when the caller's rerun plugin may rerun its last test, the
+    session stays open here — the teardown done, its modules kept — when this rank failed
+    it, or when other ranks might have (the caller reruns on every rank when any failed).
+    It ends with the rerun's attempt, or when another caller or a launch comes
+    (:func:`ends_current`; the boundary's checks run then)."""
+    if not rerun:
+        return False
+    return ran.outcome == "failed" or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def is_item_task(target: str) -> bool:
