@@ -448,7 +448,7 @@ def test_watch_redraws_in_place(broker: str) -> None:
     output = b""
     deadline = time.monotonic() + 30
     try:
-        while output.count(b"totals:") < 3 and time.monotonic() < deadline:
+        while output.count(b"totals (tasks") < 3 and time.monotonic() < deadline:
             ready, _, _ = select.select([leader], [], [], 1)
             if ready:
                 output += os.read(leader, 65536)
@@ -468,7 +468,7 @@ def test_watch_redraws_in_place(broker: str) -> None:
         if process.poll() is None:
             process.kill()
         os.close(leader)
-    assert output.count(b"totals:") >= 3, output
+    assert output.count(b"totals (tasks") >= 3, output
     assert output.count(b"\x1b[2J") == 1  # the screen is cleared once, then overwritten
     assert output.count(b"\x1b[H") >= 3 and b"\x1b[J" in output
 

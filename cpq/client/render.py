@@ -164,7 +164,9 @@ def render(status: dict[str, Any]) -> str:
         )
         lines.append("")
     lines.append(
-        "totals: "
+        # The broker's tasks, not pytest's tests: a rerun attempt is a task of its own, and
+        # an xfailed test counts as skipped (a newcomer compared these with pytest's line).
+        "totals (tasks; each attempt one): "
         + "  ".join(
             f"{k}={totals[k]}"
             for k in (
@@ -523,7 +525,12 @@ def _bound_env(pools: list[dict[str, Any]]) -> list[str]:
         at_start = set(p.get("start_bound_env") or [])
         by_tasks = [n for n in p.get("bound_env") or [] if n not in at_start]
         if by_tasks or at_start:
-            lines.append(
-                f"{p['id']} bound by imports: {names(by_tasks)} (+{len(at_start)} read at start-up)"
-            )
+            read = f"{names(by_tasks)}; " if by_tasks else ""
+            lines.append(f"  {p['id']}: {read}{len(at_start)} read while it started")
+    if lines:  # said once: the names alone meant nothing to a newcomer
+        heading = (
+            "variables a group's imports read (the group keeps their values: "
+            "a task with other values gets another group):"
+        )
+        lines.insert(0, heading)
     return lines

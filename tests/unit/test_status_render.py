@@ -11,8 +11,9 @@ def test_long_values_are_cut_and_lists_summarised() -> None:
     assert render.cut("short") == "short"
     names = [f"TORCHINDUCTOR_{i}" for i in range(300)]
     lines = render._bound_env([{"id": "g1", "bound_env": names, "start_bound_env": []}])
-    assert lines == [
-        "g1 bound by imports: "
+    assert lines[1:] == [
+        "  g1: "
         + ", ".join(names[: render.MAX_NAMES])
-        + f" +{300 - render.MAX_NAMES} more (+0 read at start-up)"
+        + f" +{300 - render.MAX_NAMES} more; 0 read while it started"
     ]
+    assert lines[0].startswith("variables a group's imports read")
