@@ -8,9 +8,11 @@ broker itself start a private one with :func:`start_broker`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -238,3 +240,16 @@ def run_with_verdicts(
     return subprocess.run(
         args, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout
     )
+
+
+def fresh_verdicts(
+    args: list[str], name: str, cwd: Path, nproc: int = 2
+) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """The reference: ``torchrun --standalone --nproc-per-node NPROC -m pytest ARGS`` in
+    ``cwd`` (``-p verdicts`` among ``ARGS``), its ranks' verdicts combined, and the run."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    run = run_with_verdicts(
+        [*torchrun, "--nproc-per-node", str(nproc), "-m", "pytest", *args], cwd / name, cwd
+    )
+    per_rank = [json.loads((cwd / f"{name}-{r}.json").read_text()) for r in range(nproc)]
+    return combined_verdicts(per_rank), run

@@ -12,6 +12,7 @@ run through the relay.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -93,19 +94,29 @@ def test_what_cannot_run_warm_runs_the_real_torchrun():
 """
 
 
-def test_a_sessions_launches_go_through_its_relay(
-    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextlib.contextmanager
+def own_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Iterator[str]:
+    """A broker of this test's own (no autostart, no relay of the outer session), its
+    endpoint named in the environment the test's sessions inherit."""
     from conftest import start_broker
 
     from cpq.client.autostart import stop_broker
 
-    # a broker of its own: pytester's HOME would become part of the shared broker's specs
-    process, endpoint = start_broker(tmp_path / "state")
+    process, endpoint = start_broker(tmp_path / "state", *args)
     try:
         monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
         monkeypatch.setenv("CPQ_AUTOSTART", "0")
         monkeypatch.delenv("CPQ_LAUNCH_RELAY", raising=False)
+        yield endpoint
+    finally:
+        stop_broker(process)
+
+
+def test_a_sessions_launches_go_through_its_relay(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a broker of its own: pytester's HOME would become part of the shared broker's specs
+    with own_broker(tmp_path, monkeypatch):
         pytester.makepyfile(script=SCRIPT, test_relayed=TESTS)
         command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"]
         done = subprocess.run(
@@ -117,8 +128,6 @@ def test_a_sessions_launches_go_through_its_relay(
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
         assert "3 passed" in done.stdout
-    finally:
-        stop_broker(process)
 
 
 # ---- the relay's socket, asked what no shim asks
@@ -227,16 +236,9 @@ def test_shell_serial_and_xdist_launches_share_one_spec(
     ``PATH`` and, twice under xdist, in ``PYTHONPATH`` is no part of it), so groups serve
     all three instead of a group and a spare each."""
     pytest.importorskip("xdist")
-    from conftest import start_broker
-
     from cpq import Client
-    from cpq.client.autostart import stop_broker
 
-    process, endpoint = start_broker(tmp_path / "state", "--spares", "0")
-    try:
-        monkeypatch.setenv("CPQ_ENDPOINT", endpoint)
-        monkeypatch.setenv("CPQ_AUTOSTART", "0")
-        monkeypatch.delenv("CPQ_LAUNCH_RELAY", raising=False)
+    with own_broker(tmp_path, monkeypatch, "--spares", "0") as endpoint:
         pytester.makepyfile(script=SCRIPT, test_launching=LAUNCHING)
         run = {"cwd": pytester.path, "capture_output": True, "text": True, "timeout": 600}
         shell = subprocess.run(
@@ -255,5 +257,3 @@ def test_shell_serial_and_xdist_launches_share_one_spec(
         # two groups at most: the xdist workers' launches may overlap
         assert 1 <= status["totals"]["groups_started"] <= 2, status["totals"]
         assert status["totals"]["submitted"] == 9
-    finally:
-        stop_broker(process)

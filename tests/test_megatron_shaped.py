@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from conftest import VERDICTS_PLUGIN, combined_verdicts, run_with_verdicts
+from conftest import VERDICTS_PLUGIN, fresh_verdicts, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -193,22 +193,7 @@ def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
     )
     project = pytester.path
     args = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "test_shaped.py"]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
-    ref = run_with_verdicts(
-        [*torchrun, "-m", "pytest", *args],
-        project / "ref",
-        project,
-    )
-    reference = combined_verdicts(
-        [json.loads((project / f"ref-{r}.json").read_text()) for r in (0, 1)]
-    )
+    reference, ref = fresh_verdicts(args, "ref", project)
     assert len(reference) == 12, ref.stdout[-3000:]
     assert reference["test_shaped.py::test_tp_larger_than_world_fails"] == "failed"
     assert reference["test_shaped.py::test_fails_on_rank_one"] == "failed"

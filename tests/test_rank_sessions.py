@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import VERDICTS_PLUGIN, combined_verdicts, run_with_verdicts
+from conftest import VERDICTS_PLUGIN, fresh_verdicts, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -204,19 +204,9 @@ def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPa
 
 def _fresh(project: Path, args: list[str], name: str) -> dict[str, str]:
     """The verdicts of ``torchrun --nproc-per-node 2 -m pytest ARGS``, its ranks combined."""
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
-    run = run_with_verdicts([*torchrun, "-m", "pytest", *FLAGS, *args], project / name, project)
+    reference, run = fresh_verdicts([*FLAGS, *args], name, project)
     assert "cpq steps aside" in run.stdout, run.stdout[-3000:]
-    return combined_verdicts(
-        [json.loads((project / f"{name}-{r}.json").read_text()) for r in (0, 1)]
-    )
+    return reference
 
 
 def _warm(project: Path, args: list[str], name: str) -> tuple[dict[str, str], str]:

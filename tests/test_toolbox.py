@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     VERDICTS_PLUGIN,
-    combined_verdicts,
+    fresh_verdicts,
     run_with_verdicts,
     start_broker,
     wait_for_status,
@@ -176,15 +176,7 @@ def test_a_rerun_of_the_last_test_finds_its_modules_state(
         verdicts=VERDICTS_PLUGIN,
     )
     common = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", *flags]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    fresh = run_with_verdicts(
-        [*torchrun, "--nproc-per-node", "2", "-m", "pytest", *common],
-        pytester.path / "fresh",
-        pytester.path,
-    )
-    reference = combined_verdicts(
-        [json.loads((pytester.path / f"fresh-{r}.json").read_text()) for r in (0, 1)]
-    )
+    reference, fresh = fresh_verdicts(common, "fresh", pytester.path)
     assert reference == {
         "test_once.py::test_first": "passed",
         "test_once.py::test_last_fails_once_per_process": "passed",
