@@ -12,6 +12,8 @@ with cpq's plugin loaded: under a launcher it steps aside, which this checks too
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -282,3 +284,59 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
     got = json.loads((project / "marker-client.json").read_text())
     assert got == {k: v for k, v in reference.items() if k.startswith("test_marked.py")}, run.stdout
     assert "failed on rank(s) [1] of 2" in run.stdout
+
+
+RENDER_COUNTER = """
+import os
+
+import _pytest.nodes
+
+CALLER = "RANK" not in os.environ  # a rank (torchrun's variables) counts nothing
+rendered = []
+if CALLER:
+    _render = _pytest.nodes.Node._repr_failure_py
+
+    def _counting(self, excinfo, *args, **kwargs):
+        rendered.append(self.nodeid)
+        return _render(self, excinfo, *args, **kwargs)
+
+    _pytest.nodes.Node._repr_failure_py = _counting
+
+
+def pytest_sessionfinish(session):
+    if CALLER:
+        with open(os.environ["RENDERED_OUT"], "w") as out:
+            out.write(str(len(rendered)))
+"""
+
+
+def test_the_calling_process_renders_no_failure_of_the_ranks(
+    pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that fails on the ranks is reported with the ranks' rendering; the calling
+    process's pytest does not render the hollow phase's exception as well (it cost 20-80 ms
+    a failing test, BENCHMARKS.md "What a test costs the calling process"). The same counter
+    in a plain pytest run renders the failure once: it can see a rendering."""
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    pytester.makepyfile(
+        render_counter=RENDER_COUNTER,
+        test_fails="def test_fails():\n    value = 41\n    assert value + 1 == 43\n",
+    )
+    counts = {}
+    for name, extra in (("plain", ["-p", "no:cpq"]), ("cpq", ["--cpq-world-size", "2"])):
+        out = pytester.path / f"{name}.count"
+        monkeypatch.setenv("RENDERED_OUT", str(out))
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "render_counter", "-p", "no:randomly", *extra],
+            cwd=pytester.path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")},
+        )
+        assert "1 failed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+        assert "E       assert (41 + 1) == 43" in run.stdout, run.stdout[-3000:]
+        counts[name] = int(out.read_text())
+    assert counts == {"plain": 1, "cpq": 0}

@@ -314,10 +314,12 @@ def phase_report(item: pytest.Item, when: str) -> pytest.TestReport | None:
     report.location = item.location
     notes = run.result.notes if run.result is not None else []
     first = "call" if "call" in run.phases else "setup"
-    if notes and when in (first, "teardown"):
+    section = (f"Captured stderr {first}", "\n".join(notes) + "\n")
+    if notes and when in (first, "teardown") and section not in report.sections:
         # In the captured stderr of this phase and the last (whose sections are all of the
-        # test's, as pytest's are), so JUnit's <system-err> has them.
-        report.sections.append((f"Captured stderr {first}", "\n".join(notes) + "\n"))
+        # test's, as pytest's are), so JUnit's <system-err> has them. Asked twice a phase
+        # (plugin._RanksReports, then the makereport wrapper): added once.
+        report.sections.append(section)
     return report
 
 

@@ -94,6 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(timeouts, "cpq-timeouts")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(config), "cpq-xdist")
+    config.pluginmanager.register(_RanksReports(), "cpq-ranks-reports")
     session = config.stash[SESSION_KEY]
     if launches.enabled(config) and not session.under_launcher:
         config.stash[ROUTING_KEY] = launches.Routing()  # torchrun launches go to cpq
@@ -402,6 +403,24 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     pdb_relay.release_pending(item)  # a post-mortem pytest did not open (an xfail, say)
+
+
+class _RanksReports:
+    """Hands pytest the ranks' report of a phase before its own ``makereport`` runs.
+
+    pytest's own builds a report from the hollow phase's exception (:mod:`cpq.client.items`
+    raises what the ranks' phase ended in) and renders its traceback, through pytest's runner
+    and cpq's frames, with the source of each: 20-80 ms a failing test, only for the wrapper
+    below to replace it with the ranks' report. Measured in the calling process of a 300-test
+    suite (BENCHMARKS.md, "What a test costs the calling process"). None: pytest's own runs
+    (a test of this process, or a verdict without reports of the ranks).
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> pytest.TestReport | None:
+        return items.phase_report(item, call.when)
 
 
 @pytest.hookimpl(wrapper=True)

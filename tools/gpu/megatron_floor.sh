@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issue 34, on the one-H200 host: where a warm `pytest --cpq-world-size 1` session's wall goes,
+# and what the calling pytest process alone costs (the floor of any design in which the calling
+# process loads the suite's conftests and collects it). One call, from the repo root:
+#   1. the calling process alone: `import torch`; the suite's root conftest; `--collect-only`
+#      with and without cpq's plugin (no test runs);
+#   2. the reference: a fresh `torchrun --standalone --nproc-per-node 1 -m pytest`;
+#   3. a broker; `pytest --cpq-world-size 1` twice (cold, warm);
+#   4. `cpq torchrun --standalone --nproc-per-node 1 -m pytest` twice (a warm launch of the whole
+#      session: the suite's own command line, as Megatron's CI runs it);
+#   5. compare.py: every JUnit file against the fresh one, test by test.
+# Needs (carried, git-ignored): .megatron (shared/megatron/stage.sh's folder) and .whl (pyzmq).
+# Knobs: MEG_FILES (the selection, default run.sh's 11 paths). Results in $OUT.
+set -uo pipefail
+PROJ=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+HERE=$PROJ/.megatron
+MSITE=/tmp/msite SITE=/tmp/site
+python3 -m pip install -q --no-index --no-deps --target "$MSITE" "$HERE"/.whl/*.whl >/dev/null 2>&1
+python3 -c 'import numpy' 2>/dev/null ||
+  python3 -m pip install -q --no-index --no-deps --target "$MSITE" "$HERE"/.whl/optional/numpy-*.whl >/dev/null 2>&1
+PYTHONPATH=$SITE python3 -c 'import zmq' 2>/dev/null ||
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" "$PROJ"/.whl/pyzmq-*.whl >/dev/null 2>&1
+export PYTHONPATH=$SITE:$MSITE:$PROJ:$HERE/src
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 \
+  https_proxy=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9
+FILES=(tests/unit_tests/test_parallel_state.py tests/unit_tests/tensor_parallel
+  tests/unit_tests/distributed/test_param_and_grad_buffer.py tests/unit_tests/transformer/test_mlp.py
+  tests/unit_tests/transformer/test_module.py tests/unit_tests/transformer/test_rope.py
+  tests/unit_tests/transformer/test_relative_attention.py tests/unit_tests/transformer/test_spec_utils.py
+  tests/unit_tests/fusions/test_torch_softmax.py tests/unit_tests/models/test_base_embedding.py
+  tests/unit_tests/models/test_multimodal_projector.py)
+if [ -n "${MEG_FILES:-}" ]; then read -r -a FILES <<< "$MEG_FILES"; fi
+cd "$HERE/src" || exit 3
+LOG=$OUT/logs
+mkdir -p "$LOG"
+row() { printf '%-44s %8s  %s\n' "$1" "$2" "$3" | tee -a "$OUT/floor.txt"; }
+timed() { # NAME CMD...: wall seconds of CMD, its last summary line
+  local name=$1 t0 t1
+  shift
+  t0=$(date +%s.%N)
+  timeout 300 "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  t1=$(date +%s.%N)
+  row "$name" "$(python3 -c "print(f'{$t1 - $t0:.1f}')")" \
+    "rc $rc $(grep -E '(passed|failed|error|skipped|collected|tests? ran).* in [0-9.]+s' "$LOG/$name.log" | tail -1)"
+}
+: > "$OUT/floor.txt"
+timed import-torch python3 -c 'import torch'
+timed import-conftest python3 -c 'import tests.unit_tests.conftest'
+timed collect-plain python3 -m pytest -p no:cacheprovider -p no:cpq -q --collect-only "${FILES[@]}"
+timed collect-cpq python3 -m pytest -p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q --collect-only "${FILES[@]}"
+python3 -X importtime -c 'import tests.unit_tests.conftest' 2> "$LOG/importtime.txt"
+sort -t'|' -k2 -n -r "$LOG/importtime.txt" | head -12 > "$OUT/importtime-top.txt"
+
+timed fresh torchrun --standalone --nproc-per-node 1 -m pytest -p no:cacheprovider -p no:cpq -q \
+  "${FILES[@]}" --junitxml="$OUT/fresh.xml"
+
+export CPQ_STATE_DIR
+CPQ_STATE_DIR=$(mktemp -d /tmp/floor-state.XXXXXX)
+chmod 700 "$CPQ_STATE_DIR"
+python3 -m cpq broker --gpus auto --log-dir "$LOG/broker" > "$LOG/broker.out" 2>&1 &
+BROKER=$!
+for _ in $(seq 1 120); do python3 -m cpq status --json >/dev/null 2>&1 && break; sleep 0.5; done
+CPQ=(-p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q)
+timed session-cold python3 -m pytest "${CPQ[@]}" "${FILES[@]}" --junitxml="$OUT/session-cold.xml"
+timed session-warm python3 -m pytest "${CPQ[@]}" "${FILES[@]}" --junitxml="$OUT/session-warm.xml"
+LAUNCH=(python3 -m cpq torchrun --standalone --nproc-per-node 1 -m pytest -p no:cacheprovider -p no:cpq -q)
+timed launch-1 "${LAUNCH[@]}" "${FILES[@]}" --junitxml="$OUT/launch-1.xml"
+timed launch-2 "${LAUNCH[@]}" "${FILES[@]}" --junitxml="$OUT/launch-2.xml"
+grep -h -iE "real torchrun|runs the real" "$LOG"/launch-*.log | head -3
+python3 -m cpq status > "$LOG/status.txt" 2>&1
+cp "$CPQ_STATE_DIR"/timings.jsonl "$LOG/" 2>/dev/null
+python3 -m cpq stop > /dev/null 2>&1
+for _ in $(seq 1 60); do kill -0 "$BROKER" 2>/dev/null || break; sleep 0.5; done
+kill -TERM "$BROKER" 2>/dev/null
+python3 "$HERE/compare.py" "$OUT/fresh.xml" "$OUT/session-cold.xml" "$OUT/session-warm.xml" \
+  "$OUT/launch-1.xml" "$OUT/launch-2.xml" --json "$OUT/diff.json" > "$OUT/compare.txt" 2>&1
+grep -v -E "^  (DIFF|ONLY)" "$OUT/compare.txt" | head -20; grep -c DIFF "$OUT/compare.txt"
+cat "$OUT/floor.txt"
+cat "$OUT/importtime-top.txt"
