@@ -5,7 +5,10 @@
 #   1. the calling process alone: `import torch`; the suite's root conftest; `--collect-only`
 #      with and without cpq's plugin (no test runs);
 #   2. the reference: a fresh `torchrun --standalone --nproc-per-node 1 -m pytest`;
-#   3. a broker; `pytest --cpq-world-size 1` twice (cold, warm);
+#   3. for each cpq tree in CPQ_TREES (default: this checkout), a broker of its own and
+#      `pytest --cpq-world-size 1` three times (cold, warm, warm again); trees side by side in
+#      one call (e.g. CPQ_TREES="new=. before=.cpq-before", the earlier commit's cpq/ unpacked
+#      there by `git archive`);
 #   4. `cpq torchrun --standalone --nproc-per-node 1 -m pytest` twice (a warm launch of the whole
 #      session: the suite's own command line, as Megatron's CI runs it);
 #   5. compare.py: every JUnit file against the fresh one, test by test.
@@ -59,26 +62,35 @@ sort -t'|' -k2 -n -r "$LOG/importtime.txt" | head -12 > "$OUT/importtime-top.txt
 timed fresh torchrun --standalone --nproc-per-node 1 -m pytest -p no:cacheprovider -p no:cpq -q \
   "${FILES[@]}" --junitxml="$OUT/fresh.xml"
 
-export CPQ_STATE_DIR
-CPQ_STATE_DIR=$(mktemp -d /tmp/floor-state.XXXXXX)
-chmod 700 "$CPQ_STATE_DIR"
-python3 -m cpq broker --gpus auto --log-dir "$LOG/broker" > "$LOG/broker.out" 2>&1 &
-BROKER=$!
-for _ in $(seq 1 120); do python3 -m cpq status --json >/dev/null 2>&1 && break; sleep 0.5; done
-CPQ=(-p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q)
-timed session-cold python3 -m pytest "${CPQ[@]}" "${FILES[@]}" --junitxml="$OUT/session-cold.xml"
-timed session-warm python3 -m pytest "${CPQ[@]}" "${FILES[@]}" --junitxml="$OUT/session-warm.xml"
 LAUNCH=(python3 -m cpq torchrun --standalone --nproc-per-node 1 -m pytest -p no:cacheprovider -p no:cpq -q)
-timed launch-1 "${LAUNCH[@]}" "${FILES[@]}" --junitxml="$OUT/launch-1.xml"
-timed launch-2 "${LAUNCH[@]}" "${FILES[@]}" --junitxml="$OUT/launch-2.xml"
-grep -h -iE "real torchrun|runs the real" "$LOG"/launch-*.log | head -3
-python3 -m cpq status > "$LOG/status.txt" 2>&1
-cp "$CPQ_STATE_DIR"/timings.jsonl "$LOG/" 2>/dev/null
-python3 -m cpq stop > /dev/null 2>&1
-for _ in $(seq 1 60); do kill -0 "$BROKER" 2>/dev/null || break; sleep 0.5; done
-kill -TERM "$BROKER" 2>/dev/null
-python3 "$HERE/compare.py" "$OUT/fresh.xml" "$OUT/session-cold.xml" "$OUT/session-warm.xml" \
-  "$OUT/launch-1.xml" "$OUT/launch-2.xml" --json "$OUT/diff.json" > "$OUT/compare.txt" 2>&1
+CPQ=(-p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q)
+XMLS=()
+for entry in ${CPQ_TREES:-new=.}; do
+  name=${entry%%=*} tree=$(cd "$PROJ/${entry#*=}" && pwd)
+  export PYTHONPATH=$SITE:$MSITE:$tree:$HERE/src CPQ_STATE_DIR
+  CPQ_STATE_DIR=$(mktemp -d /tmp/floor-state.XXXXXX)
+  chmod 700 "$CPQ_STATE_DIR"
+  python3 -m cpq broker --gpus auto --log-dir "$LOG/broker-$name" > "$LOG/broker-$name.out" 2>&1 &
+  BROKER=$!
+  for _ in $(seq 1 120); do python3 -m cpq status --json >/dev/null 2>&1 && break; sleep 0.5; done
+  for run in cold warm warm2; do
+    timed "$name-session-$run" python3 -m pytest "${CPQ[@]}" "${FILES[@]}" --junitxml="$OUT/$name-session-$run.xml"
+    XMLS+=("$OUT/$name-session-$run.xml")
+  done
+  if [ "$name" = "${CPQ_TREES%%=*}" ] || [ -z "${CPQ_TREES:-}" ]; then  # the first tree only
+    for run in 1 2; do
+      timed "$name-launch-$run" "${LAUNCH[@]}" "${FILES[@]}" --junitxml="$OUT/$name-launch-$run.xml"
+      XMLS+=("$OUT/$name-launch-$run.xml")
+    done
+  fi
+  python3 -m cpq status > "$LOG/status-$name.txt" 2>&1
+  cp "$CPQ_STATE_DIR"/timings.jsonl "$LOG/timings-$name.jsonl" 2>/dev/null
+  python3 -m cpq stop > /dev/null 2>&1
+  for _ in $(seq 1 60); do kill -0 "$BROKER" 2>/dev/null || break; sleep 0.5; done
+  kill -TERM "$BROKER" 2>/dev/null
+done
+python3 "$HERE/compare.py" "$OUT/fresh.xml" "${XMLS[@]}" --json "$OUT/diff.json" > "$OUT/compare.txt" 2>&1
 grep -v -E "^  (DIFF|ONLY)" "$OUT/compare.txt" | head -20; grep -c DIFF "$OUT/compare.txt"
 cat "$OUT/floor.txt"
 cat "$OUT/importtime-top.txt"
+tar -czf "$OUT/logs.tar.gz" -C "$LOG" . && rm -rf "$LOG"
