@@ -315,7 +315,7 @@ def test_the_calling_process_renders_no_failure_of_the_ranks(
 ) -> None:
     """A test that fails on the ranks is reported with the ranks' rendering; the calling
     process's pytest does not render the hollow phase's exception as well (it cost 20-80 ms
-    a failing test, BENCHMARKS.md "What a test costs the calling process"). The same counter
+    a failing test, BENCHMARKS.md "Where the warm session's wall goes"). The same counter
     in a plain pytest run renders the failure once: it can see a rendering."""
     monkeypatch.setenv("CPQ_ENDPOINT", broker)
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))

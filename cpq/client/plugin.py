@@ -412,7 +412,7 @@ class _RanksReports:
     raises what the ranks' phase ended in) and renders its traceback, through pytest's runner
     and cpq's frames, with the source of each: 20-80 ms a failing test, only for the wrapper
     below to replace it with the ranks' report. Measured in the calling process of a 300-test
-    suite (BENCHMARKS.md, "What a test costs the calling process"). None: pytest's own runs
+    suite (BENCHMARKS.md, "Where the warm session's wall goes"). None: pytest's own runs
     (a test of this process, or a verdict without reports of the ranks).
     """
 
