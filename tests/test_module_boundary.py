@@ -138,3 +138,42 @@ def test_accelerate_state_starts_afresh_in_each_launch(own_broker: str, tmp_path
         assert warm.returncode == 0, warm.stdout + warm.stderr
         assert sorted(warm.stdout.split("\n"))[-2:] == ["STATE 0 of 2", "STATE 1 of 2"]
     assert _groups_started(own_broker) == 1, time.monotonic() - started
+
+
+LEAVES_A_THREAD = """
+import threading
+import time
+
+threading.Thread(target=time.sleep, args=(3600,), name="leftover-server", daemon=True).start()
+print("started", flush=True)
+"""
+
+
+def test_a_thread_a_launch_leaves_is_named_where_its_group_is_recycled(tmp_path: Path) -> None:
+    """A daemon thread that outlives its script (pytest-rerunfailures' ``run_server`` under
+    ``-m pytest``, say) does not keep a worker alive: torchrun's status is 0, and cpq's. The
+    rank still running it serves no other caller, and the reason names the thread, so that
+    whoever reads why every launch lands on a new group can tell whose it is."""
+    state = tmp_path / "state"
+    process, endpoint = start_broker(state, "--max-ranks", "4", "--spares", "0")
+    try:
+        (tmp_path / "threads.py").write_text(LEAVES_A_THREAD)
+        env = _env(endpoint)
+
+        def launch(*how: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", *how, "--nproc-per-node", "2", "threads.py"],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        real, warm = launch("torch.distributed.run"), launch("cpq", "torchrun")
+        assert real.returncode == warm.returncode == 0, warm.stdout + warm.stderr
+        assert warm.stdout.split() == ["started", "started"], warm.stdout
+    finally:
+        stop_broker(process)  # its log is whole once it has exited
+    log = (state / "logs" / "broker.log").read_text()
+    assert "the script left 1 thread(s) running (leftover-server)" in log, log[-3000:]

@@ -126,7 +126,10 @@ def run_script(
     ended = time.time()  # when a worker process would have exited (the failure's time)
     pgroups.caller_done(groups_before)  # what the script made and left
     alive = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-    leftover = f"the script left {len(alive)} thread(s) running" if alive else ""
+    # Named (a plugin's daemon thread, say pytest-rerunfailures' "run_server"), so that
+    # whoever reads why the group was recycled can tell whose thread it was.
+    names = ", ".join(sorted(t.name for t in alive)[:5]) + (", ..." if len(alive) > 5 else "")
+    leftover = f"the script left {len(alive)} thread(s) running ({names})" if alive else ""
     if pgroups.launch_ended(code != 0, nproc):
         # A failed worker's process ends and its connections close: peers waiting for it
         # in a collective fail at once with their own traceback, as under torchrun.
