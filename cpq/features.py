@@ -59,6 +59,8 @@ FEATURE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     # ``--cpq-confirm-fresh``: a task that runs only on a group started for it, and whether
     # a verdict's attempt ran on a group that had served no task before.
     "fresh-group": {"submit": ("fresh_group",), "done": ("result.on_fresh_group",)},
+    # A rank's output so far, with its stack: a stuck rank's result shows what it printed.
+    "stack-output": {"rank_stacks": ("stdout", "stderr")},
 }
 #: Message kinds added within protocol 1, by feature: never sent to a peer without it.
 FEATURE_KINDS: dict[str, frozenset[str]] = {

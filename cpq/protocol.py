@@ -298,6 +298,10 @@ class RankStacks(Message):
     stacks: str
     #: The phase of the test pytest runs in the rank (setup, call, teardown; "" none).
     phase: str = ""
+    #: What the task wrote to fds 1 and 2 so far (feature ``stack-output``): a rank killed
+    #: while stuck after a peer failed still shows what it printed, as under torchrun.
+    stdout: str = ""
+    stderr: str = ""
 
 
 @dataclass

@@ -281,14 +281,16 @@ INFRA_FAULTS = [
         SILENCE + MARGIN, id="sigstop",
     ),
     # (a dead rank's torchrun may take longer to exit than the silence takes to be seen
-    # on a loaded box: either is how the broker learns of it)
+    # on a loaded box: either is how the broker learns of it; an os._exit too, seen so
+    # with the suite's two xdist workers on two cores)
     pytest.param(
         "workers.faults:segfault", {}, 60, "torchrun exited with status | stopped heartbeating",
         {}, SILENCE + MARGIN, id="segfault",
     ),
     pytest.param(
-        "workers.faults:exit_code", {"code": 3}, 60, "torchrun exited with status", {},
-        SILENCE + MARGIN, id="os-exit-3",
+        "workers.faults:exit_code", {"code": 3}, 60,
+        "torchrun exited with status | stopped heartbeating", {}, SILENCE + MARGIN,
+        id="os-exit-3",
     ),
     pytest.param(
         "workers.faults:hang_in_collective", {}, 3, "deadline of 3s passed",

@@ -87,3 +87,47 @@ def test_tee_prefixes_the_rank_prefix(script: Path) -> None:
     for done in (real, warm):
         assert "[default1]:[rank1]: ValueError: rank one broke" in done.stderr, done.stderr
         assert "[default0]:rank 0 before the barrier" in done.stdout, done.stdout
+
+
+STOPPED = """
+import sys
+import time
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    sys.exit(2)
+print("rank 1 started", flush=True)
+print("rank 1 warns", file=sys.stderr, flush=True)
+time.sleep(60)  # still running when its peer has failed: the agent stops it
+"""
+
+
+def test_a_rank_still_running_when_its_peer_failed_shows_what_it_printed(
+    tmp_path: Path, broker: str
+) -> None:
+    """torchrun stops the other workers with SIGTERM once one fails: what they printed is on
+    the terminal, and the summary gives them exit code -15. A warm rank stuck after its peer
+    failed is stopped by the broker: its output so far comes with its stack (it was lost),
+    and the summary says what torchrun's does."""
+    (tmp_path / "stopped.py").write_text(STOPPED)
+
+    def launch(how: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*how, "--nproc-per-node", "2", "stopped.py"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    real, warm = launch(REAL), launch(WARM)
+    assert real.returncode == warm.returncode == 1
+    for done in (real, warm):
+        assert "rank 1 started" in done.stdout, done.stdout + done.stderr
+        assert "rank 1 warns" in done.stderr, done.stderr
+        assert re.search(r"exitcode\s+: -15 \(pid: \d+\)", done.stderr), done.stderr
+        assert re.search(r"Signal 15 \(SIGTERM\) received by PID \d+", done.stderr), done.stderr
+        assert re.search(r"exitcode\s+: 2 \(pid: \d+\)", done.stderr), done.stderr
+        assert _root_cause_rank(done.stderr) == "0"

@@ -13,6 +13,10 @@ from cpq.broker.verdicts import where
 from cpq.protocol import RankError, RankResult
 from cpq.timings import fmt_seconds
 
+#: The error type of a rank still running after a peer failed (the group is stopped, as
+#: torchrun's agent stops such workers with SIGTERM).
+STUCK = "cpq.RankStuck"
+
 
 def stack_ranks(task: Task) -> set[int]:
     """The ranks whose stacks the verdict needs: all of them after a deadline, else the
@@ -48,15 +52,19 @@ def mark_stuck(task: Task, failure_grace_s: float) -> tuple[str, str]:
     failed = sorted(r for r, res in task.results.items() if res.outcome == "failed")
     stuck = sorted(stack_ranks(task))
     for rank_no in stuck:
+        stdout, stderr = task.stack_output.get(rank_no, ("", ""))
+        pid = task.group.ranks[rank_no].pid if task.group and rank_no in task.group.ranks else 0
         task.results[rank_no] = RankResult(
             rank=rank_no,
             outcome="error",
             error=RankError(
-                "cpq.RankStuck",
+                STUCK,
                 f"did not finish within {failure_grace_s:g}s after rank(s) {failed} failed "
-                "(waiting in a collective?)",
+                f"(waiting in a collective?) (pid: {pid})",
                 task.stacks.get(rank_no, ""),
             ),
+            stdout=stdout,  # what it printed before it was stopped, as under torchrun
+            stderr=stderr,
         )
     message = f"rank(s) {failed} failed; rank(s) {stuck} were stuck; the group was recycled"
     return message, f"rank(s) {stuck} stuck after a peer failed"

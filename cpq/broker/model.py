@@ -111,6 +111,8 @@ class Task:
     stacks: dict[int, str] = field(default_factory=dict)
     #: Per rank, the test phase its stack was in (``RankStacks.phase``).
     stack_phases: dict[int, str] = field(default_factory=dict)
+    #: What each rank asked for its stack had printed so far (stdout, stderr).
+    stack_output: dict[int, tuple[str, str]] = field(default_factory=dict)
     #: Where the last deadline found the test (``TaskResult.phase``), kept past the stacks.
     hung_phase: str = ""
     orphaned: bool = False

@@ -278,6 +278,7 @@ class Tasks:
         task.stacks[rank_no] = message.stacks
         if message.phase:
             task.stack_phases[rank_no] = message.phase
+        task.stack_output[rank_no] = (message.stdout, message.stderr)
         if set(task.stacks) >= hangs.stack_ranks(task):
             self._stacks_collected(task)
 

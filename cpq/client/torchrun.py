@@ -349,6 +349,10 @@ def _exit_status(launch: Launch, result: Any, caller: Caller) -> int:
 
 
 _ERRORS_DOC = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+#: The error type the broker gives a rank still running after a peer failed; torchrun's
+#: agent stops such a worker with SIGTERM, and its summary says so.
+_STUCK = "cpq.RankStuck"
+_SIGTERM = -15
 
 
 def failure_summary(script: str, failed: list[Any], now: float | None = None) -> str:
@@ -373,8 +377,12 @@ def failure_summary(script: str, failed: list[Any], now: float | None = None) ->
     # In the order the ranks failed (torchrun's agent lists them as it observes them).
     ordered = sorted(failed, key=lambda r: (ended(r), r.rank))
     for idx, rank in enumerate(ordered):
-        code = rank.value if isinstance(rank.value, int) else 1
+        code = _exit_code(rank)
         found = re.search(r"pid: (\d+)", getattr(rank.error, "message", "") or "")
+        pid = found.group(1) if found else "?"
+        traceback = _ERRORS_DOC
+        if code == _SIGTERM and getattr(rank.error, "type", "") == _STUCK:  # the agent's stop
+            traceback = f"Signal 15 (SIGTERM) received by PID {pid}"
         stamp = int(ended(rank))
         when = datetime.datetime.fromtimestamp(stamp).isoformat(sep="_")
         blocks[rank.rank] = "\n".join(
@@ -383,9 +391,9 @@ def failure_summary(script: str, failed: list[Any], now: float | None = None) ->
                 f"  time      : {when}",
                 f"  host      : {host}",
                 f"  rank      : {rank.rank} (local_rank: {rank.rank})",
-                f"  exitcode  : {code} (pid: {found.group(1) if found else '?'}) ",
+                f"  exitcode  : {code} (pid: {pid}) ",
                 "  error_file: <N/A>",
-                f"  traceback : {_ERRORS_DOC}",
+                f"  traceback : {traceback}",
             ]
         )
     root = ordered[0].rank
@@ -414,13 +422,19 @@ def failure_summary(script: str, failed: list[Any], now: float | None = None) ->
 FAILURES_VAR = "CPQ_TORCHRUN_FAILURES"
 
 
+def _exit_code(rank: Any) -> int:
+    if getattr(rank.error, "type", "") == _STUCK:
+        return _SIGTERM
+    return rank.value if isinstance(rank.value, int) else 1
+
+
 def _record_failures(failed: list[Any], environ: Mapping[str, str]) -> None:
     path = environ.get(FAILURES_VAR)
     if not path:
         return
     import json
 
-    codes = {str(r.rank): (r.value if isinstance(r.value, int) else 1) for r in failed}
+    codes = {str(r.rank): _exit_code(r) for r in failed}
     try:
         with open(path, "w") as out:
             json.dump(codes, out)

@@ -31,6 +31,18 @@ def _bounded_read(handle: IO[bytes], limit: int) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def _bounded_pread(fd: int, limit: int) -> str:
+    """:func:`_bounded_read` of a file that another thread writes to: no seek."""
+    size = os.fstat(fd).st_size
+    if size <= limit:
+        data = os.pread(fd, size, 0)
+    else:
+        half = limit // 2
+        marker = f"\n... [cpq: {size - 2 * half} bytes of output truncated] ...\n".encode()
+        data = os.pread(fd, half, 0) + marker + os.pread(fd, half, size - half)
+    return data.decode("utf-8", errors="replace")
+
+
 class FdCapture:
     """``with FdCapture(limit) as cap: ...`` then ``cap.stdout`` and ``cap.stderr``.
 
@@ -56,6 +68,20 @@ class FdCapture:
             os.dup2(spool.fileno(), fd)
             self._saved.append((fd, saved, spool))
         return self
+
+    def so_far(self) -> tuple[str, str]:
+        """What the current task wrote to fds 1 and 2 until now (``("", "")`` between tasks),
+        for another thread (the watchdog): read with ``pread``, which leaves the offset that
+        the two fds share with the spool files where the task's writes go on."""
+        if not self._saved:
+            return "", ""
+        texts = []
+        for _fd, _saved, spool in list(self._saved):
+            try:
+                texts.append(_bounded_pread(spool.fileno(), self.limit))
+            except OSError:  # the task ended meanwhile and the file moved on
+                texts.append("")
+        return texts[0], texts[1] if len(texts) > 1 else ""
 
     def __exit__(
         self,

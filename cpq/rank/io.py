@@ -105,6 +105,8 @@ class Link:
         self._heartbeat = protocol.encode(protocol.Heartbeat())
         #: Called by the main thread between its polls while it waits for a task (idle).
         self.on_idle: Callable[[], None] | None = None
+        #: What the running task printed so far (set by the runtime: its fd capture).
+        self.output_so_far: Callable[[], tuple[str, str]] | None = None
         #: Frames from the broker that were junk (see :meth:`_on_broker_frame`).
         self.malformed = 0
         #: The kinds a broker sends a rank, each to its handler (docs/design.md "Wire").
@@ -217,11 +219,14 @@ class Link:
         cancel.request(message.task_id, self.main_thread_id)
 
     def _on_dump_stacks(self, message: protocol.DumpStacks) -> None:
+        stdout, stderr = self.output_so_far() if self.output_so_far is not None else ("", "")
         stacks = protocol.RankStacks(
             task_id=message.task_id,
             rank=self.config.rank,
             stacks=self.main_stack(),
             phase=items.phase if cancel.current() else "",
+            stdout=stdout,
+            stderr=stderr,
         )
         features = frozenset(os.environ.get(protocol.FEATURES_ENV, "").split(","))
         self.send(protocol.encode_for(stacks, features))  # the broker's features only

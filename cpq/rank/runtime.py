@@ -516,6 +516,7 @@ def main() -> None:
     boundary.mark_ready()  # the modules every later session and launch starts from
     boundary.on_forget(watch.forget)  # a forgotten module's file is read afresh, not watched
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
+    link.output_so_far = capture.so_far  # with a stack dump: what a stuck rank printed
     if check_code and "idle-stale" in features:
         link.on_idle = _idle_code_check(link, watch, config)
     last_env: dict[str, str] | None = None

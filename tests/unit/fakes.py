@@ -267,10 +267,14 @@ class Sim:
         for rank in range(group.spec.world_size):
             self.report(group_id, rank, task_id, outcome)
 
-    def stacks(self, group_id: str, rank: int, task_id: str, text: str) -> None:
+    def stacks(
+        self, group_id: str, rank: int, task_id: str, text: str, stdout: str = "", stderr: str = ""
+    ) -> None:
         self.rank_send(
             self.rank_id(group_id, rank),
-            protocol.RankStacks(task_id=task_id, rank=rank, stacks=text),
+            protocol.RankStacks(
+                task_id=task_id, rank=rank, stacks=text, stdout=stdout, stderr=stderr
+            ),
         )
 
     def heartbeat_all(self) -> None:

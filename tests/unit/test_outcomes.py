@@ -111,6 +111,7 @@ def test_peer_failed_and_the_others_hang_failed_after_the_grace_with_their_stack
     sim.client()
     task = sim.submit(pool_spec=spec(3))
     sim.bring_up("g1")
+    pid = sim.broker.pools.groups["g1"].ranks[1].pid
     sim.report("g1", 0, task, "failed")
     sim.tick(2.9)
     assert sim.done() == {} and not sim.sent_to_ranks(protocol.DumpStacks)
@@ -118,7 +119,7 @@ def test_peer_failed_and_the_others_hang_failed_after_the_grace_with_their_stack
     asked = sorted(who for who, _ in sim.sent_to_ranks(protocol.DumpStacks))
     assert asked == [sim.rank_id("g1", 1), sim.rank_id("g1", 2)]  # not the failed rank
     if answer:
-        sim.stacks("g1", 1, task, "in all_reduce")
+        sim.stacks("g1", 1, task, "in all_reduce", stdout="rank 1 started\n", stderr="w\n")
         sim.stacks("g1", 2, task, "in barrier")
     else:
         sim.tick(2.1)
@@ -130,6 +131,10 @@ def test_peer_failed_and_the_others_hang_failed_after_the_grace_with_their_stack
     assert stuck[1].error.type == "cpq.RankStuck"
     if answer:
         assert stuck[1].error.traceback == "in all_reduce"
+        # what it printed before it was stopped, as torchrun shows a stopped worker's
+        assert (stuck[1].stdout, stuck[1].stderr) == ("rank 1 started\n", "w\n")
+        assert (stuck[2].stdout, stuck[2].stderr) == ("", "")
+    assert f"(pid: {pid})" in stuck[1].error.message  # torchrun's summary names it
     assert sim.processes["g1"].terminated_with is not None  # recycled: ranks may be stuck
     assert sim.states().get("g1", "stopping") == "stopping"
     assert sim.broker.totals.retries == 0
