@@ -13,7 +13,8 @@
 #      session: the suite's own command line, as Megatron's CI runs it);
 #   5. compare.py: every JUnit file against the fresh one, test by test.
 # Needs (carried, git-ignored): .megatron (shared/megatron/stage.sh's folder) and .whl (pyzmq).
-# Knobs: MEG_FILES (the selection, default run.sh's 11 paths). Results in $OUT.
+# Knobs: MEG_FILES (the selection, default run.sh's 11 paths); MEG_LAUNCH_ONLY=1 (the fresh
+# run and the launches only). Results in $OUT.
 set -uo pipefail
 PROJ=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -52,12 +53,14 @@ timed() { # NAME CMD...: wall seconds of CMD, its last summary line
     "rc $rc $(grep -E '(passed|failed|error|skipped|collected|tests? ran).* in [0-9.]+s' "$LOG/$name.log" | tail -1)"
 }
 : > "$OUT/floor.txt"
-timed import-torch python3 -c 'import torch'
-timed import-conftest python3 -c 'import tests.unit_tests.conftest'
-timed collect-plain python3 -m pytest -p no:cacheprovider -p no:cpq -q --collect-only "${FILES[@]}"
-timed collect-cpq python3 -m pytest -p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q --collect-only "${FILES[@]}"
-python3 -X importtime -c 'import tests.unit_tests.conftest' 2> "$LOG/importtime.txt"
-sort -t'|' -k2 -n -r "$LOG/importtime.txt" | head -12 > "$OUT/importtime-top.txt"
+if [ "${MEG_LAUNCH_ONLY:-0}" = 0 ]; then
+  timed import-torch python3 -c 'import torch'
+  timed import-conftest python3 -c 'import tests.unit_tests.conftest'
+  timed collect-plain python3 -m pytest -p no:cacheprovider -p no:cpq -q --collect-only "${FILES[@]}"
+  timed collect-cpq python3 -m pytest -p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q --collect-only "${FILES[@]}"
+  python3 -X importtime -c 'import tests.unit_tests.conftest' 2> "$LOG/importtime.txt"
+  sort -t'|' -k2 -n -r "$LOG/importtime.txt" | head -12 > "$OUT/importtime-top.txt"
+fi
 
 timed fresh torchrun --standalone --nproc-per-node 1 -m pytest -p no:cacheprovider -p no:cpq -q \
   "${FILES[@]}" --junitxml="$OUT/fresh.xml"
@@ -73,11 +76,14 @@ for entry in ${CPQ_TREES:-new=.}; do
   python3 -m cpq broker --gpus auto --log-dir "$LOG/broker-$name" > "$LOG/broker-$name.out" 2>&1 &
   BROKER=$!
   for _ in $(seq 1 120); do python3 -m cpq status --json >/dev/null 2>&1 && break; sleep 0.5; done
-  for run in cold warm warm2; do
+  runs="cold warm warm2"
+  [ "${MEG_LAUNCH_ONLY:-0}" = 0 ] || runs=""
+  for run in $runs; do
     timed "$name-session-$run" python3 -m pytest "${CPQ[@]}" "${FILES[@]}" --junitxml="$OUT/$name-session-$run.xml"
     XMLS+=("$OUT/$name-session-$run.xml")
   done
-  if [ "$name" = "${CPQ_TREES%%=*}" ] || [ -z "${CPQ_TREES:-}" ]; then  # the first tree only
+  trees=${CPQ_TREES:-new=.}
+  if [ "$name" = "${trees%%=*}" ]; then  # the first tree only
     for run in 1 2; do
       timed "$name-launch-$run" "${LAUNCH[@]}" "${FILES[@]}" --junitxml="$OUT/$name-launch-$run.xml"
       XMLS+=("$OUT/$name-launch-$run.xml")
@@ -92,5 +98,5 @@ done
 python3 "$HERE/compare.py" "$OUT/fresh.xml" "${XMLS[@]}" --json "$OUT/diff.json" > "$OUT/compare.txt" 2>&1
 grep -v -E "^  (DIFF|ONLY)" "$OUT/compare.txt" | head -20; grep -c DIFF "$OUT/compare.txt"
 cat "$OUT/floor.txt"
-cat "$OUT/importtime-top.txt"
+cat "$OUT/importtime-top.txt" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$LOG" . && rm -rf "$LOG"
