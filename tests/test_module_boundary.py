@@ -46,6 +46,20 @@ def _write(path: Path, text: str) -> None:
         os.utime(path, ns=(before + 1_000_000, before + 1_000_000))
 
 
+def _launch(
+    how: tuple[str, ...], script: str, cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``python -m HOW --nproc-per-node 2 SCRIPT`` (the real torchrun, or ``cpq torchrun``)."""
+    return subprocess.run(
+        [sys.executable, "-m", *how, "--nproc-per-node", "2", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def _groups_started(endpoint: str) -> int:
     with Client(endpoint, name="boundary-test") as client:
         return int(client.status()["totals"]["groups_started"])
@@ -121,14 +135,7 @@ def test_accelerate_state_starts_afresh_in_each_launch(own_broker: str, tmp_path
     env = _env(own_broker, ACCELERATE_USE_CPU="true")
 
     def launch(*how: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", *how, "--nproc-per-node", "2", "state.py"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return _launch(how, "state.py", tmp_path, env)
 
     real = launch("torch.distributed.run")
     assert real.returncode == 0, real.stderr
@@ -159,18 +166,8 @@ def test_a_thread_a_launch_leaves_is_named_where_its_group_is_recycled(tmp_path:
     try:
         (tmp_path / "threads.py").write_text(LEAVES_A_THREAD)
         env = _env(endpoint)
-
-        def launch(*how: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [sys.executable, "-m", *how, "--nproc-per-node", "2", "threads.py"],
-                cwd=tmp_path,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-
-        real, warm = launch("torch.distributed.run"), launch("cpq", "torchrun")
+        real = _launch(("torch.distributed.run",), "threads.py", tmp_path, env)
+        warm = _launch(("cpq", "torchrun"), "threads.py", tmp_path, env)
         assert real.returncode == warm.returncode == 0, warm.stdout + warm.stderr
         assert warm.stdout.split() == ["started", "started"], warm.stdout
     finally:
