@@ -278,3 +278,26 @@ def test_cpq_torchrun_from_a_shell_matches_torchrun(project: Path, tmp_path: Pat
     real, warm = both("--no-python", "--nproc-per-node", "1", "true")
     assert real.returncode == warm.returncode == 0
     assert warm.stderr.count("cpq torchrun: running the real torchrun: --no-python") == 1
+
+
+def test_help_is_torchruns_with_cpqs_word_first(tmp_path: Path) -> None:
+    """``cpq torchrun --help`` says what cpq does, then gives torchrun's own help and exit
+    status (it said "cpq does not know the option --help"); a script's own ``--help`` is the
+    script's."""
+    real = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    warm = subprocess.run(
+        [sys.executable, "-m", "cpq", "torchrun", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert real.returncode == warm.returncode == 0, warm.stderr
+    assert warm.stdout.startswith("cpq torchrun: torchrun's command line, run on a warm group")
+    assert warm.stdout.endswith(real.stdout), warm.stdout[-500:]
+    assert "running the real torchrun" not in warm.stderr, warm.stderr
+
+    from cpq.client.torchrun import plan
+
+    own = plan(["--nproc-per-node", "2", "script.py", "--help"])
+    assert own.launch.argv == ["script.py", "--help"] and not own.launch.unknown

@@ -206,9 +206,25 @@ def endpoint_of(environ: Mapping[str, str]) -> str:
     return environ.get(paths.ENDPOINT_VAR) or paths.default_endpoint()
 
 
+#: What ``cpq torchrun --help`` says before torchrun's own help.
+HELP = """\
+cpq torchrun: torchrun's command line, run on a warm group of this node's cpq broker: the
+script runs as __main__ on every rank, with your working directory, environment and
+torchrun's worker variables; each rank's output, torchrun's failure summary and exit status
+come when the launch ends. What cpq cannot make faithful (several nodes, --max-restarts,
+--no-python, another rendezvous, --redirects to files, an option it does not know, no broker)
+runs the real torchrun, said once on stderr. torchrun's own options follow.
+
+"""
+
+
 def main(args: Sequence[str]) -> int:
     """``cpq torchrun ARGS``: the exit status torchrun would give."""
     planned = plan(args)
+    if planned.launch.unknown in ("the option --help", "the option -h"):  # before a script
+        sys.stdout.write(HELP)
+        sys.stdout.flush()
+        return real_torchrun(args, "")  # torchrun's help: its options, its exit status
     if planned.why:
         return real_torchrun(args, planned.why)
     from cpq.client.api import BrokerUnavailable, Client
@@ -291,9 +307,10 @@ def report_wait(
 
 
 def real_torchrun(args: Sequence[str], why: str) -> int:
-    """Run the real torchrun in this process's place, saying why once."""
-    sys.stderr.write(f"cpq torchrun: running the real torchrun: {why}\n")
-    sys.stderr.flush()
+    """Run the real torchrun in this process's place, saying why once ("": say nothing)."""
+    if why:
+        sys.stderr.write(f"cpq torchrun: running the real torchrun: {why}\n")
+        sys.stderr.flush()
     module = "torch.distributed.launch" if _LAUNCH_FLAG in args else "torch.distributed.run"
     command = [sys.executable, "-m", module, *[a for a in args if a != _LAUNCH_FLAG]]
     os.environ["CPQ_TORCHRUN_REAL"] = "1"  # cpq's start-up hook lets this one through
