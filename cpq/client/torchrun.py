@@ -398,7 +398,7 @@ def failure_summary(script: str, failed: list[Any], now: float | None = None) ->
         found = re.search(r"pid: (\d+)", getattr(rank.error, "message", "") or "")
         pid = found.group(1) if found else "?"
         traceback = _ERRORS_DOC
-        if code == _SIGTERM and getattr(rank.error, "type", "") == _STUCK:  # the agent's stop
+        if getattr(rank.error, "type", "") == _STUCK:  # stopped by the agent, as torchrun's
             traceback = f"Signal 15 (SIGTERM) received by PID {pid}"
         stamp = int(ended(rank))
         when = datetime.datetime.fromtimestamp(stamp).isoformat(sep="_")

@@ -75,13 +75,11 @@ class FdCapture:
         the two fds share with the spool files where the task's writes go on."""
         if not self._saved:
             return "", ""
-        texts = []
-        for _fd, _saved, spool in list(self._saved):
-            try:
-                texts.append(_bounded_pread(spool.fileno(), self.limit))
-            except OSError:  # the task ended meanwhile and the file moved on
-                texts.append("")
-        return texts[0], texts[1] if len(texts) > 1 else ""
+        try:
+            out, err = (_bounded_pread(s.fileno(), self.limit) for s in self._spools)
+        except OSError:  # the task ended meanwhile
+            return "", ""
+        return out, err
 
     def __exit__(
         self,
