@@ -31,6 +31,7 @@ SCRIPTS = [
 
 SUITE = """
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -43,10 +44,19 @@ SCRIPTS = {scripts!r}
 
 def port():
     # a free port for each launch: the plain run's torchrun shares this host with the
-    # suite's other worker (the default 29500 collided under xdist); cpq routes any port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
+    # suite's other worker (the default 29500 collided under xdist); cpq routes any port.
+    # It is drawn below the kernel's ephemeral range: a port from bind(0) is free only
+    # until the next outgoing connection takes it as its local port, and the plain
+    # torchrun binds it seconds later (a plain run failed so, once in CI)
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for candidate in random.sample(range(low // 2, low), 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return str(candidate)
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -91,12 +101,16 @@ state.wait_for_everyone()
 """
 
 STATE = """
+import os
+
 from accelerate import PartialState
 
 state = PartialState(cpu=True)
 assert state.num_processes == 2, state.num_processes
 state.wait_for_everyone()
-print("STATE", state.process_index, flush=True)
+# one write per line: the two ranks share the launcher's stdout, and print's separate
+# writes of "STATE", " ", "0" interleave between them when the output is unbuffered
+os.write(1, f"STATE {state.process_index}\\n".encode())
 """
 
 VERDICTS = """
@@ -150,7 +164,20 @@ def _session(project: Path, name: str, *args: str) -> tuple[dict[str, str], str]
         text=True,
         timeout=900,
     )
+    assert out.exists(), (done.stdout + done.stderr)[-3000:]
     return json.loads(out.read_text()), done.stdout + done.stderr
+
+
+def _about(output: str, nodeids: list[str]) -> str:
+    """The failure sections of these tests in a session's output (a section opens with a
+    line of underscores naming the test), so a difference shows both sides."""
+    names = [nodeid.split("::")[-1] for nodeid in nodeids]
+    sections = [
+        chunk
+        for chunk in output.split("\n_")
+        if any(name in chunk.split("\n", 1)[0] for name in names)
+    ]
+    return "\n_".join(sections)[-6000:] or output[-3000:]
 
 
 def _tasks(broker: str) -> int:
@@ -169,7 +196,11 @@ def test_accelerate_scripts_and_launches_give_the_fresh_verdicts_cold_and_warm(
     for session in ("cold", "warm-1", "warm-2"):
         before = _tasks(broker)
         got, out = _session(project, session, "--cpq-torchrun")
-        assert got == plain, f"{session}: {got} != {plain}\n{out[-6000:]}"
+        differ = sorted(k for k in plain.keys() | got.keys() if plain.get(k) != got.get(k))
+        assert got == plain, (
+            f"{session}: {differ} differ: {got} != {plain}\n"
+            f"--- plain ---\n{_about(plain_out, differ)}\n--- {session} ---\n{out[-6000:]}"
+        )
         # every launch ran on a warm group: one task each, no real torchrun said it ran
         assert "running the real torchrun" not in out, out[-3000:]
         assert _tasks(broker) - before >= len(plain), (session, _tasks(broker) - before)
