@@ -9,6 +9,9 @@ Starts a private ``cpq-broker``, then on one ws=2 gloo group measures:
 * the same no-op round trip through ``tools/stdio_pool.py`` (a Transformer-Engine-style pool
   fed JSON on stdin, no broker in the middle), measured in the same run, alternating with
   cpq in blocks so both see the same load on a shared machine (``--no-stdio`` skips it);
+* the CPU time (every thread, user and system) that the client, the broker, the agent and
+  each rank spend per no-op task: the code's own cost, which a loaded machine's wall times
+  hide;
 * the code-freshness check every rank runs before every task (``cpq.rank.freshness``),
   timed in this process over the files a rank of this benchmark watches (cpq, the
   workload module, the site-packages directories).
@@ -59,6 +62,34 @@ def throughput(client: Client, tasks: int, in_flight: int) -> float:
     while window:
         assert window.popleft().result().outcome == "passed"
     return tasks / (time.perf_counter() - start)
+
+
+def cpu_per_task(client: Client, broker_pid: int, tasks: int) -> dict[str, float]:
+    """CPU time (user + system, every thread) each process spends per no-op round trip,
+    over ``tasks`` more of them: this process (the client), the broker, the group's
+    torchrun agent and each rank. Unlike the wall time it does not move with the load
+    of a shared machine, so two trees compare on it within a few percent."""
+    import psutil
+
+    def processes() -> dict[str, psutil.Process]:
+        found = {"client": psutil.Process(), "broker": psutil.Process(broker_pid)}
+        for child in found["broker"].children(recursive=True):
+            line = " ".join(child.cmdline())
+            if "cpq.rank" in line:
+                found[f"rank{len([k for k in found if k.startswith('rank')])}"] = child
+            elif "torch.distributed.run" in line or "torchrun" in line:
+                found["agent"] = child
+        return found
+
+    def seconds(proc: psutil.Process) -> float:
+        times = proc.cpu_times()
+        return float(times.user + times.system)
+
+    watched = processes()
+    before = {name: seconds(proc) for name, proc in watched.items()}
+    for _ in range(tasks):
+        client.submit(NOOP, 2, roots=[str(ROOT)])
+    return {name: (seconds(proc) - before[name]) / tasks * 1e6 for name, proc in watched.items()}
 
 
 def stdio_pool() -> Any:
@@ -173,6 +204,7 @@ def main() -> int:
                 parts["hops"].append(result.duration_s - rank)
                 parts["broker"].append(result.queue_s)
                 parts["client"].append(round_trips[-1] - result.duration_s - result.queue_s)
+            cpu_us = cpu_per_task(client, broker.pid, args.tasks)
             rate_1 = throughput(client, args.tasks, 1)
             rate_8 = throughput(client, args.tasks, 8)
             groups = client.status()["totals"]["groups_started"]
@@ -199,6 +231,7 @@ def main() -> int:
             * 1e3,
             "rank run_task (reset, capture, call)": statistics.median(parts["rank"]) * 1e3,
         },
+        "cpu_us_per_task": cpu_us,
         "stdio_pool_round_trip_ms": summary_ms(stdio) if stdio else None,
         "throughput_per_s": {"in_flight_1": rate_1, "in_flight_8": rate_8},
         "groups_started": groups,
@@ -228,6 +261,7 @@ def main() -> int:
             (f"  p50 of: {k}", f"{v:.3f} ms")
             for k, v in results["round_trip_breakdown_p50_ms"].items()
         ),
+        *((f"  CPU per task: {k}", f"{v:.0f} us") for k, v in cpu_us.items()),
         ("throughput, 1 in flight", f"{rate_1:.0f} tasks/s"),
         ("throughput, 8 in flight", f"{rate_8:.0f} tasks/s"),
         ("groups started", str(groups)),
