@@ -66,19 +66,20 @@ def throughput(client: Client, tasks: int, in_flight: int) -> float:
 
 def cpu_per_task(client: Client, broker_pid: int, tasks: int) -> dict[str, float]:
     """CPU time (user + system, every thread) each process spends per no-op round trip,
-    over ``tasks`` more of them: this process (the client), the broker, the group's
-    torchrun agent and each rank. Unlike the wall time it does not move with the load
-    of a shared machine, so two trees compare on it within a few percent."""
+    over ``tasks`` more of them: this process (the client), the broker, and every group's
+    torchrun agent and ranks (numbered in the broker's order; an idle spare's show ~0).
+    It is the code's own cost. On a loaded machine it moves less than the wall time: three
+    runs on the 2-core VM gave the broker 700-850 us."""
     import psutil
 
     def processes() -> dict[str, psutil.Process]:
         found = {"client": psutil.Process(), "broker": psutil.Process(broker_pid)}
         for child in found["broker"].children(recursive=True):
-            line = " ".join(child.cmdline())
-            if "cpq.rank" in line:
+            line = " ".join(child.cmdline())  # an agent's line names cpq.rank too
+            if "cpq.rank.launch" in line:  # torchrun behind cpq's lease wrapper
+                found[f"agent{len([k for k in found if k.startswith('agent')])}"] = child
+            elif "cpq.rank" in line:
                 found[f"rank{len([k for k in found if k.startswith('rank')])}"] = child
-            elif "torch.distributed.run" in line or "torchrun" in line:
-                found["agent"] = child
         return found
 
     def seconds(proc: psutil.Process) -> float:
