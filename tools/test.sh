@@ -5,15 +5,17 @@
 #   tools/test.sh --static   # also ruff and mypy first (.ci/run: exactly this)
 #   tools/test.sh -- -k fidelity    # arguments after -- go to pytest
 #
-# Then a second environment: the suites that depend on pytest's own internals (the ranks
-# rebuild the caller's pytest session; the toolbox plugins) run again on the oldest pytest
-# pyproject allows and on the newest release, each in a venv of its own made here
-# (.venv-pytest/<version>), for each version this environment does not have already (its
-# full run tested that one). CPQ_PYTEST_VERSIONS="8.2.0 9.2.0" by default; empty skips it,
-# as does a run given pytest arguments unless CPQ_PYTEST_VERSIONS is set.
+# The pytests tested: the oldest pyproject allows and the newest release, what `pip install`
+# gives a newcomer (CPQ_PYTEST_VERSIONS, "8.2.0 9.2.0" by default). The whole suite runs on
+# the newest (this environment gets it; CPQ_PYTEST= keeps the pytest you have). Then a
+# second environment: the suites that depend on pytest's own internals (the ranks rebuild
+# the caller's pytest session; the toolbox plugins) run again on each other version, in a
+# venv of its own made here (.venv-pytest/<version>). Empty CPQ_PYTEST_VERSIONS skips it, as
+# does a run given pytest arguments unless CPQ_PYTEST_VERSIONS is set. One full run and one
+# second environment, not two: the suite's time (the brief's 20 minutes on CI's 2 cores).
 #
 # Installs: cpq with its test extra (pinning torch==2.13.0, the version CI tests with; set
-# CPQ_TORCH= to keep yours), and,
+# CPQ_TORCH= to keep yours) and the newest tested pytest, and,
 # where missing and this runs as root, the Debian packages the end-to-end tests drive for
 # real: Slurm (tests/fanout: two slurmd on this host), shellcheck (the CI templates' scripts),
 # headless Chromium (the timeline page); and two system users whose brokers the GPU lease
@@ -32,9 +34,12 @@ while (($#)); do
     shift
 done
 
-# CPQ_TORCH= (empty) keeps the torch you have (a GPU node's CUDA build)
+tested_pytests="${CPQ_PYTEST_VERSIONS-8.2.0 9.2.0}"
+newest_pytest=${tested_pytests##* }
+# CPQ_TORCH= (empty) keeps the torch you have (a GPU node's CUDA build); CPQ_PYTEST= yours
 # shellcheck disable=SC2086  # an empty pin expands to nothing
-python -m pip install -q ${CPQ_TORCH-torch==2.13.0} -e '.[test]'
+python -m pip install -q ${CPQ_TORCH-torch==2.13.0} \
+    ${CPQ_PYTEST-${newest_pytest:+pytest==$newest_pytest}} -e '.[test]'
 
 missing=()
 command -v sbatch >/dev/null || missing+=(slurmctld slurmd slurm-client munge)
@@ -83,7 +88,7 @@ python -m pytest -q --durations=25 "${xdist[@]}" "${pytest_args[@]}" || status=$
 if ((${#pytest_args[@]})); then
     versions=${CPQ_PYTEST_VERSIONS-}
 else
-    versions=${CPQ_PYTEST_VERSIONS-8.2.0 9.2.0}
+    versions=$tested_pytests
 fi
 version_suites=(tests/test_ranks_run_pytest.py tests/test_rank_sessions.py tests/test_toolbox.py)
 have=$(python -c 'import pytest; print(pytest.__version__)')

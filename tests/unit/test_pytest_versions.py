@@ -33,7 +33,7 @@ def _version(text: str) -> tuple[int, int]:
 
 def _tested_versions() -> list[str]:
     script = (ROOT / "tools" / "test.sh").read_text()
-    found = re.search(r'CPQ_PYTEST_VERSIONS-([\d. ]+)\}"?$', script, re.M)
+    found = re.search(r'^tested_pytests="\$\{CPQ_PYTEST_VERSIONS-([\d. ]+)\}"$', script, re.M)
     assert found, "tools/test.sh names its default pytest versions"
     return found[1].split()
 
