@@ -233,9 +233,14 @@ def run_with_verdicts(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``args`` in ``cwd`` with the verdicts plugin writing to ``out`` (and ``env``).
 
-    The run is a process of its own, not a worker of this suite's xdist: this worker's
-    ``PYTEST_XDIST_*`` variables are not passed on (they would name its verdicts file)."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    The run is a process of its own, as from a user's shell, not a worker of this suite's
+    xdist: this worker's ``PYTEST_XDIST_*`` variables are not passed on (they would name its
+    verdicts file), nor this test's ``PYTEST_CURRENT_TEST``."""
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PYTEST_XDIST_") and k != "PYTEST_CURRENT_TEST"
+    }
     environ.update(env, VERDICTS_OUT=str(out))
     return subprocess.run(
         args, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout
@@ -243,13 +248,14 @@ def run_with_verdicts(
 
 
 def fresh_verdicts(
-    args: list[str], name: str, cwd: Path, nproc: int = 2
+    args: list[str], name: str, cwd: Path, nproc: int = 2, **env: str
 ) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
     """The reference: ``torchrun --standalone --nproc-per-node NPROC -m pytest ARGS`` in
-    ``cwd`` (``-p verdicts`` among ``ARGS``), its ranks' verdicts combined, and the run."""
+    ``cwd`` (``-p verdicts`` among ``ARGS``; ``env`` set), its ranks' verdicts combined, and
+    the run."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     run = run_with_verdicts(
-        [*torchrun, "--nproc-per-node", str(nproc), "-m", "pytest", *args], cwd / name, cwd
+        [*torchrun, "--nproc-per-node", str(nproc), "-m", "pytest", *args], cwd / name, cwd, **env
     )
     per_rank = [json.loads((cwd / f"{name}-{r}.json").read_text()) for r in range(nproc)]
     return combined_verdicts(per_rank), run

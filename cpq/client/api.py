@@ -290,6 +290,18 @@ class Client:
             self._waiting.pop(task_id, None)
         return future.result()
 
+    def wait(
+        self, future: Future[TaskResult], on_wait: Callable[[str], None] | None = None
+    ) -> TaskResult:
+        """The verdict of a task sent with :meth:`submit_async`, read in this thread as
+        :meth:`submit` reads its own (``on_wait`` as there)."""
+        task_id: str = future.task_id  # type: ignore[attr-defined]
+        try:
+            self._wait(future, on_wait)
+        finally:
+            self._waiting.pop(task_id, None)
+        return future.result()
+
     def cancel(self, task_id: str) -> None:
         """Cancel a task this client sent (a finished one: nothing happens); its
         :meth:`submit` then returns the broker's verdict on the cancelled task."""

@@ -27,7 +27,16 @@ from typing import Any
 import pytest
 
 from cpq import paths, protocol
-from cpq.client import confirm, items, launches, ordering, pdb_relay, reruns, timeouts
+from cpq.client import (
+    confirm,
+    items,
+    launches,
+    opening,
+    ordering,
+    pdb_relay,
+    reruns,
+    timeouts,
+)
 from cpq.client.items import Unusable
 from cpq.client.report import (
     SKIP_LOCATION_KEY,
@@ -96,6 +105,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_XdistController(config), "cpq-xdist")
     config.pluginmanager.register(_RanksReports(), "cpq-ranks-reports")
     session = config.stash[SESSION_KEY]
+    # --cpq-world-size: the ranks open the session while this process collects
+    config.pluginmanager.register(opening.OpenAhead(session), "cpq-open-ahead")
     if launches.enabled(config) and not session.under_launcher:
         config.stash[ROUTING_KEY] = launches.Routing()  # torchrun launches go to cpq
     # CI fan-out: shards, results, durations (cpq.fanout)
@@ -367,6 +378,8 @@ def pytest_runtest_protocol(
         return last[-1]
 
     def _submit(kwargs: dict[str, Any], fresh_group: bool, left: float | None) -> TaskResult:
+        # the session's first test goes to the group that opened it (cpq.client.opening)
+        opened = "" if fresh_group else opening.wait(item.config, session, key, item.nodeid)
         return session.submit(
             items.TARGET,
             where.world_size,
@@ -374,7 +387,7 @@ def pytest_runtest_protocol(
             left if left is not None else where.timeout,
             where.env,
             item.nodeid,
-            _affinity(item),
+            opened or _affinity(item),
             retries=reruns.retries_for(item, session.retries, timed=left is not None),
             debug=True,
             own_groups=_own_groups(item),

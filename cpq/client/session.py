@@ -14,6 +14,7 @@ import os
 import sys
 import sysconfig
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,6 +279,14 @@ class CpqSession:
                 else:
                     return result
         raise BrokerGone(self.broker_gone, pytrace=False)  # one line: the broker is gone
+
+    def wait(self, future: Future[TaskResult], test_id: str) -> TaskResult:
+        """A task sent ahead (:mod:`cpq.client.opening`), waited for on behalf of
+        ``test_id``: the broker's word on a wait for a group is said as for the test's own."""
+        notices = _Notices(self.config, test_id)
+        result: TaskResult = self.client.wait(future, notices.say)
+        notices.done()
+        return result
 
     def close(self) -> None:
         if self._client is not None:

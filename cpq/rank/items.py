@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpq.protocol import PYTEST_ITEM_TARGET
-from cpq.rank import generators, reset
+from cpq.rank import generators, reset, travel
 
 TARGET = PYTEST_ITEM_TARGET
 
@@ -91,10 +91,6 @@ RANK_OPTIONS: dict[str, Any] = {
     "pastebin": None,
     "durations": None,
 }
-#: Bound on each captured section a rank sends back (characters).
-MAX_SECTION_CHARS = 256 * 1024
-#: Plugin-made report attributes that cannot travel are dropped, these always stay.
-_REPORT_KEYS = ("nodeid", "location", "keywords", "outcome", "longrepr", "when", "sections")
 
 
 @dataclass
@@ -439,10 +435,20 @@ def run_item(
 ) -> ItemRun:
     """Run test ``nodeid`` (of the file ``path``) through this rank's pytest session of the
     calling ``session``; ``next`` is the caller's next test id (None: its last test);
-    ``rerun``: the caller's rerun plugin may run this test again after this attempt."""
+    ``rerun``: the caller's rerun plugin may run this test again after this attempt.
+
+    An empty ``nodeid`` opens the session and collects, running no test: the calling
+    process sends it while it collects itself (:mod:`cpq.client.opening`), so its first test
+    finds the session built. Collection then sees the caller's environment before any test,
+    as a fresh rank's does (no ``PYTEST_CURRENT_TEST``). A module that failed to collect is
+    reported with its own tests, as ever; the value is the number of items collected."""
     rank = int(os.environ.get("RANK", "0"))
     current = _session_for(session, setup, rank)
     current.recorder.clear()
+    if not nodeid:
+        if not current.collected:
+            current._collect()
+        return ItemRun("passed", value=len(current.items))
     item = current.item(nodeid, path)
     if isinstance(item, str):
         return _not_collected(current, nodeid, item)
@@ -559,7 +565,7 @@ def _item_run(current: RankSession, rank: int) -> ItemRun:
     recorder = current.recorder
     config = current.config
     reports = [
-        _travelling(config.hook.pytest_report_to_serializable(config=config, report=r))
+        travel.report(config.hook.pytest_report_to_serializable(config=config, report=r))
         for r in recorder.reports
     ]
     failed = [r for r in recorder.reports if r.failed]
@@ -578,28 +584,3 @@ def _item_run(current: RankSession, rank: int) -> ItemRun:
     else:
         outcome, error = "passed", None
     return ItemRun(outcome, reports, recorder.warnings, error, recorder.failure)
-
-
-def _travelling(data: dict[str, Any]) -> dict[str, Any]:
-    """A serialised report made msgpack-safe: sections bounded, plugin attributes that are
-    not plain data dropped, user properties' values that are not plain data as ``repr``."""
-    from cpq import protocol
-
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "sections":
-            value = [[title, _bounded(str(text))] for title, text in value]
-        elif key == "user_properties":
-            value = [
-                [str(name), v if not protocol.travel_problem(v) else repr(v)] for name, v in value
-            ]
-        if key in _REPORT_KEYS or key == "user_properties" or not protocol.travel_problem(value):
-            out[key] = value
-    return out
-
-
-def _bounded(text: str) -> str:
-    if len(text) <= MAX_SECTION_CHARS:
-        return text
-    cut = len(text) - MAX_SECTION_CHARS
-    return text[:MAX_SECTION_CHARS] + f"\n[cpq: {cut} more characters cut]\n"

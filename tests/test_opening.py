@@ -1,0 +1,83 @@
+"""The ranks open a ``--cpq-world-size`` session while the pytest process collects
+(cpq.client.opening), compared with a fresh ``torchrun -m pytest``: a rank collects as a
+fresh rank does, before any test (no ``PYTEST_CURRENT_TEST``), and the session's first test
+runs in the rank process that collected it, as in a fresh run's one process per rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import VERDICTS_PLUGIN, fresh_verdicts, run_with_verdicts
+
+pytest_plugins = ["pytester"]
+
+FLAGS = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA"]
+
+CONFTEST = """
+import json
+import os
+
+
+def pytest_collection_finish(session):
+    # what a rank's collection saw, for the tests to compare with themselves
+    if "RANK" in os.environ:
+        with open(f"{os.environ['SEEN_OUT']}-{os.environ['RANK']}.json", "w") as handle:
+            json.dump(
+                {"current_test": os.environ.get("PYTEST_CURRENT_TEST"), "pid": os.getpid()},
+                handle,
+            )
+"""
+
+TESTS = """
+import json
+import os
+
+
+def _seen():
+    with open(f"{os.environ['SEEN_OUT']}-{os.environ['RANK']}.json") as handle:
+        return json.load(handle)
+
+
+def test_collected_before_any_test():
+    assert _seen()["current_test"] is None
+
+
+def test_runs_where_it_was_collected():
+    assert _seen()["pid"] == os.getpid()
+
+
+def test_fails_on_rank_one():
+    assert os.environ["RANK"] != "1"
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(verdicts=VERDICTS_PLUGIN, test_session=TESTS)
+    return pytester.path
+
+
+def test_the_ranks_collect_as_a_fresh_rank_does_and_run_the_first_test_there(
+    project: Path, broker: str
+) -> None:
+    seen = {"SEEN_OUT": str(project / "seen-fresh")}
+    reference, run = fresh_verdicts([*FLAGS, "test_session.py"], "fresh", project, **seen)
+    assert reference == {
+        "test_session.py::test_collected_before_any_test": "passed",
+        "test_session.py::test_runs_where_it_was_collected": "passed",
+        "test_session.py::test_fails_on_rank_one": "failed",
+    }, run.stdout[-3000:]
+    command = [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *FLAGS, "test_session.py"]
+    for session in ("cold", "warm"):
+        run = run_with_verdicts(
+            command, project / session, project, SEEN_OUT=str(project / f"seen-{session}")
+        )
+        got = json.loads((project / f"{session}-client.json").read_text())
+        assert got == reference, f"{session}: {got} != {reference}\n{run.stdout[-4000:]}"
