@@ -260,7 +260,7 @@ def _setup(item: pytest.Item) -> None:
 
 def _phases(item: pytest.Item, run: _Run, result: TaskResult) -> dict[str, Any] | None:
     if item.config.getoption("capture", "fd") == "no":
-        _stream_output(result)
+        stream_output(result)
     return combine.phases(result, run.world_size, item.config)
 
 
@@ -335,7 +335,7 @@ def hollow_duration(item: pytest.Item, when: str) -> float | None:
     return run.result.duration_s if when == ran_in else 0.0
 
 
-def _stream_output(result: TaskResult) -> None:
+def stream_output(result: TaskResult) -> None:
     """Under ``-s`` the ranks' pytest captures nothing: what each rank printed reaches this
     terminal after the test, every line labelled with its rank."""
     for rank in result.ranks:

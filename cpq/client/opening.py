@@ -13,14 +13,15 @@ opens the session on a group and collects there, running no test
 for that task's verdict and asks for the same group (by the opening's affinity key). The
 two collections overlap; the first test pays what is left of the rank's, if anything.
 
-What a test sees of it: the ranks collect under the caller's environment before any test,
-as a fresh rank of ``torchrun -m pytest`` does (``PYTEST_CURRENT_TEST`` unset), where they
-used to collect under the first test's. What it never changes is a verdict: an opening that
-failed (a conftest that raises in the rank, a group that could not start, a broker that went
-away) is dropped, and the first test builds the session as before and reports what it finds
-there; a first test whose session is not the one opened (options changed after the session
-started) ends it in the rank, as any other caller's test would. Under coverage the opening
-is measured like a test (the conftests' and test modules' import-time lines) and merged.
+What a test sees of it: the ranks collect under the caller's environment before any test, as
+a fresh rank of ``torchrun -m pytest`` does (``PYTEST_CURRENT_TEST`` unset), where they used
+to collect under the first test's; under ``-s`` what collection printed there is shown
+before the first test's output. What it never changes is a verdict: an opening that failed
+(a conftest that raises in the rank, a group that could not start, a broker that went away)
+is dropped, and the first test builds the session as before and reports what it finds there;
+a first test whose session is not the one opened (options changed after the session started)
+ends it in the rank, as any other caller's test would. Under coverage the opening is
+measured like a test (the conftests' and test modules' import-time lines) and merged.
 
 Not sent: without ``--cpq-world-size`` (world sizes are known only from the markers, after
 collection), under a launcher, with ``--collect-only``, in an xdist controller (its workers
@@ -129,6 +130,8 @@ def wait(config: pytest.Config, session: CpqSession, key: str, test_id: str) -> 
         result = session.wait(opening.future, test_id)
     except Exception:  # the broker went away: the test's own submit says so
         return ""
+    if config.getoption("capture", "fd") == "no":  # -s: what collection printed there
+        items.stream_output(result)
     if opening.coverage is not None and result.coverage:
         coverage_relay.merge(opening.coverage, result.coverage)
     return opening.affinity if result.outcome == "passed" else ""
