@@ -1,17 +1,19 @@
 """A warm ``--cpq-world-size`` session with the ranks opening it ahead, against a tree
 without that (cpq.client.opening), side by side in one run, alternated.
 
-The project stands in for a suite whose conftest imports the world (Megatron-LM's imports
-torch and ``megatron.core``): its conftest imports torch and a package of its own whose
-import costs ``--import-s`` seconds of CPU (work at import, as a large package's module
-bodies do). The calling process pays that to collect; each rank pays it again when it
-builds the session, since a new session imports the project afresh (docs/design.md, "The
-session boundary"). Each tree gets a private broker, warmed by one session first; then
-``--reps`` warm sessions per tree, alternated. Printed: each session's wall (s), and the
-median.
+The project stands in for a suite that imports the world (Megatron-LM's conftest imports
+torch and ``megatron.core``, its test modules more of it): its conftest imports torch, and a
+package of its own whose import costs ``--import-s`` seconds of CPU (work at import, as a
+large package's module bodies do) is imported by the test module (``--where module``: during
+collection, which the opening overlaps) or by the conftest (``--where conftest``: before the
+session starts, which it cannot). The calling process pays that to collect; each rank pays
+it again when it builds the session, since a new session imports the project afresh
+(docs/design.md, "The session boundary"). Each tree gets a private broker, warmed by one
+session first; then ``--reps`` warm sessions per tree, alternated. Printed: each session's
+wall (s), and the median.
 
     python tools/bench_opening.py [--baseline 9ef1163] [--tests 100] [--reps 3]
-        [--import-s 1.0] [--world-size 1] [--json OUT]
+        [--import-s 1.0] [--world-size 1] [--where module|conftest] [--json OUT]
 """
 
 from __future__ import annotations
@@ -40,14 +42,12 @@ while time.process_time() < _end:
 
 CONFTEST = """
 import torch
-
-import slowpkg  # noqa: F401
-"""
+{slow}"""
 
 TESTS = """
 import pytest
 import torch
-
+{slow}
 
 @pytest.mark.parametrize("i", range({n}))
 def test_small(i):
@@ -74,6 +74,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--import-s", type=float, default=1.0)
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument(
+        "--where",
+        choices=("conftest", "module"),
+        default="module",
+        help="who imports the package: the conftest (before the session starts) or the "
+        "test module (during collection)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-opening-"))
@@ -81,8 +88,10 @@ def main() -> None:
     (project / "tests").mkdir(parents=True)
     (project / "slowpkg").mkdir()
     (project / "slowpkg" / "__init__.py").write_text(SLOW_PACKAGE.format(seconds=args.import_s))
-    (project / "tests" / "conftest.py").write_text(CONFTEST)
-    (project / "tests" / "test_many.py").write_text(TESTS.format(n=args.tests))
+    slow = "import slowpkg  # noqa: F401\n"
+    conftest_slow, module_slow = (slow, "") if args.where == "conftest" else ("", slow)
+    (project / "tests" / "conftest.py").write_text(CONFTEST.format(slow=conftest_slow))
+    (project / "tests" / "test_many.py").write_text(TESTS.format(n=args.tests, slow=module_slow))
     base = work / "baseline"
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
@@ -116,7 +125,8 @@ def main() -> None:
         )
     print(
         f"{args.tests} tests, --cpq-world-size {args.world_size}, the project's import "
-        f"{args.import_s} s of CPU, {args.reps} warm sessions per tree, alternated"
+        f"{args.import_s} s of CPU in the {args.where}, {args.reps} warm sessions per tree, "
+        "alternated"
     )
     print("| tree | warm session wall, median (s) | sessions (s) |")
     print("| --- | --- | --- |")
@@ -124,7 +134,9 @@ def main() -> None:
         runs = ", ".join(f"{v:.2f}" for v in values)
         print(f"| {name} | {statistics.median(values):.2f} | {runs} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "walls": walls}))
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "walls": walls})
+        )
 
 
 if __name__ == "__main__":

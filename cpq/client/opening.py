@@ -12,6 +12,10 @@ opens the session on a group and collects there, running no test
 (:func:`cpq.rank.items.run_item` with no node id), and its first test on the ranks waits
 for that task's verdict and asks for the same group (by the opening's affinity key). The
 two collections overlap; the first test pays what is left of the rank's, if anything.
+What overlaps is the collection after the initial conftests (pytest imports those while it
+parses its options, before any ``pytest_configure``, when neither the spec nor the options
+are final): a test module's imports, not the root conftest's (docs/design.md says why it is
+not sent earlier, and what it measured).
 
 What a test sees of it: the ranks collect under the caller's environment before any test, as
 a fresh rank of ``torchrun -m pytest`` does (``PYTEST_CURRENT_TEST`` unset), where they used
