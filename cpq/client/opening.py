@@ -121,11 +121,20 @@ def send(config: pytest.Config, session: CpqSession) -> None:
     config.stash[_KEY] = Opening(key, affinity, future, cov)
 
 
-def wait(config: pytest.Config, session: CpqSession, key: str, test_id: str) -> str:
-    """For the session's first test on the ranks (once): wait for the opening of ``key``
-    and return the affinity key that asks for its group ("": none to ask for)."""
+def wait(
+    config: pytest.Config,
+    session: CpqSession,
+    key: str,
+    test_id: str,
+    world_size: int,
+    env: dict[str, str] | None,
+) -> str:
+    """For the session's first test on the ranks with ``--cpq-world-size``'s spec (a marker
+    test of another world size or ``env`` runs elsewhere, and leaves the opening to the next
+    one): wait for the opening of ``key`` and return the affinity key that asks for its
+    group ("": none to ask for)."""
     opening = config.stash.get(_KEY, None)
-    if opening is None:
+    if opening is None or env or world_size != session.world_size:
         return ""
     config.stash[_KEY] = None
     if opening.key != key:

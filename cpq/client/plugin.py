@@ -379,7 +379,11 @@ def pytest_runtest_protocol(
 
     def _submit(kwargs: dict[str, Any], fresh_group: bool, left: float | None) -> TaskResult:
         # the session's first test goes to the group that opened it (cpq.client.opening)
-        opened = "" if fresh_group else opening.wait(item.config, session, key, item.nodeid)
+        opened = (
+            ""
+            if fresh_group
+            else opening.wait(item.config, session, key, item.nodeid, where.world_size, where.env)
+        )
         return session.submit(
             items.TARGET,
             where.world_size,
