@@ -76,8 +76,15 @@ def test_the_ranks_collect_as_a_fresh_rank_does_and_run_the_first_test_there(
     }, run.stdout[-3000:]
     command = [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *FLAGS, "test_session.py"]
     for session in ("cold", "warm"):
+        junit = project / f"{session}.xml"
         run = run_with_verdicts(
-            command, project / session, project, SEEN_OUT=str(project / f"seen-{session}")
+            [*command, f"--junitxml={junit}"],
+            project / session,
+            project,
+            SEEN_OUT=str(project / f"seen-{session}"),
         )
         got = json.loads((project / f"{session}-client.json").read_text())
         assert got == reference, f"{session}: {got} != {reference}\n{run.stdout[-4000:]}"
+    # The warm session waited for no group: its JUnit testcases carry no properties, as a
+    # fresh run's carry none (cpq's wait property is for a wait, or for the fan-out's records)
+    assert "<property " not in (project / "warm.xml").read_text()

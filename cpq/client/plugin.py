@@ -463,10 +463,14 @@ def pytest_runtest_makereport(
         report.duration = max(0.0, report.duration - waits[item.nodeid])
         item.stash[OWN_TIME_KEY] = True
     waited = waits.pop(item.nodeid, None) if call.when == "teardown" else None
-    if waited is not None:  # travels with the report (xdist too) to cpq.fanout's records
+    # Travels with the report (xdist too) to cpq.fanout's records, and to JUnit: the wait
+    # for a group where there was one; both only where the fan-out keeps records (a fresh
+    # run's JUnit file has no properties, and a strict xunit2 reader refuses them).
+    keeps = waited is not None and fanout.records(item.config)
+    if waited is not None and (keeps or waited > 0):
         report.user_properties.append((fanout.SPAWN_WAIT_PROPERTY, round(waited, 4)))
-        if ranks is not None or item.stash.get(OWN_TIME_KEY, False):  # no wait in durations
-            report.user_properties.append((fanout.RANK_TIME_PROPERTY, True))
+    if keeps and (ranks is not None or item.stash.get(OWN_TIME_KEY, False)):
+        report.user_properties.append((fanout.RANK_TIME_PROPERTY, True))  # no wait in durations
     if call.when != "setup" or report.failed:
         confirm.attach(item, report)  # the deciding phase and the teardown carry it
     location = item.stash.get(SKIP_LOCATION_KEY, None)

@@ -536,6 +536,15 @@ def deselects(config: pytest.Config) -> bool:
     return isinstance(plugin, FanoutPlugin) and plugin.deselects()
 
 
+def records(config: pytest.Config) -> bool:
+    """Whether this session keeps the fan-out's records (a shard, ``--cpq-results``,
+    ``--cpq-write-durations``): only then do a test's reports carry
+    :data:`RANK_TIME_PROPERTY`, which its records alone read (a fresh run's JUnit file has no
+    such property, and a strict xunit2 reader refuses a testcase's properties)."""
+    plugin = config.pluginmanager.get_plugin("cpq-fanout")
+    return isinstance(plugin, FanoutPlugin) and plugin.active
+
+
 def register(config: pytest.Config, groups_started: Callable[[], int]) -> None:
     """Register the fan-out plugin (and its xdist helper) on ``config``.
 
