@@ -228,7 +228,11 @@ def test_a_timed_out_test_leaves_the_next_one_a_warm_group(
     # JUnit's message is pytest-timeout's alone, as a fresh run's; the stacks are on stderr
     message = '<failure message="Failed: Timeout (&gt;2.0s) from pytest-timeout.">'
     assert message in junit.read_text()
-    assert "Captured stderr call" in out and "the group was stopped" in out
+    # rank 1's own pytest-timeout failed it where it was, as in a fresh rank (signal
+    # method): the traceback's `>` and `E` lines, and its group served the next test
+    assert ">           time.sleep(60)" in out, out
+    assert "E           Failed: Timeout (>2.0s) from pytest-timeout." in out, out
+    assert "the group was stopped" not in out and "2 task(s) on 1 group(s)" in out, out
     # --durations as a fresh run's: the time in the call (where the ranks hung), not in a
     # setup that only waited for the verdict
     pattern = r"^([\d.]+)s (setup|call) +test_hang_then_next\.py::test_a_hang$"
@@ -238,7 +242,19 @@ def test_a_timed_out_test_leaves_the_next_one_a_warm_group(
         re.findall(r'<testcase classname="[^"]*" name="(\w+)" time="([\d.]+)"', junit.read_text())
     )
     assert float(times["test_a_hang"]) < 2 + 5, times  # the timeout, plus the stacks' wait
-    assert float(times["test_next"]) < 1.5, times  # the spare: no ~6 s spawn
+    assert float(times["test_next"]) < 1.5, times  # the same warm group: no ~6 s spawn
+
+
+def test_a_thread_method_timeout_is_the_brokers_deadline(
+    pytester: pytest.Pytester, private_broker: str
+) -> None:
+    """pytest-timeout's thread method ends a fresh rank's process (``os._exit``): a warm
+    rank does not arm it; the broker's deadline ends the test, stops its group and the test
+    fails with pytest-timeout's message (cpq.rank.timeouts)."""
+    pytester.makepyfile(test_hang_then_next=NEXT)
+    out = run(pytester, "--timeout", "2", "--timeout-method", "thread", "-k", "test_a_hang")
+    assert "1 failed" in out and "Timeout (>2.0s) from pytest-timeout." in out, out
+    assert "the group was stopped" in out, out
 
 
 HANGING_FIXTURE = """

@@ -179,6 +179,8 @@ def rank_setup(config: pytest.Config, session_id: str) -> tuple[str, dict[str, A
         "args": [str(arg) for arg in config.args],
         "options": options,
         "pytest": pytest.__version__,
+        # pytest-timeout is on here: the ranks time a test themselves (cpq.rank.timeouts)
+        "timeout": config.pluginmanager.hasplugin("timeout"),
     }
     digest = hashlib.sha256(repr(sorted(setup.items())).encode()).hexdigest()[:12]
     known = (f"{session_id}:{os.getpid()}:{digest}", setup)

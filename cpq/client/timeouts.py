@@ -2,13 +2,19 @@
 
 pytest-timeout ends a test from inside the pytest process (SIGALRM, or a thread that exits
 the process). For a test whose body runs on the ranks that would show cpq's client thread
-waiting for a verdict, and leave the task running on its group. So for ``@pytest.mark.cpq``
-tests cpq takes pytest-timeout's timer (its ``pytest_timeout_set_timer`` hook) and gives
-what is left of the timeout to the broker as the task's deadline: when it passes, the
-broker collects every rank's stack, stops the task's group (the next test runs on the spare
-group, without waiting for a spawn) and the test fails with pytest-timeout's own message
-(its JUnit message) and where each rank was on the test's captured stderr, where
-pytest-timeout puts its own stack dump. The task is not retried.
+waiting for a verdict, and leave the task running on its group. So for a test the ranks run
+cpq takes pytest-timeout's timer here (its ``pytest_timeout_set_timer`` hook):
+
+* **signal method** (pytest-timeout's default): each rank's own pytest-timeout times the
+  test, as in a fresh rank (:mod:`cpq.rank.timeouts`): the test fails there with
+  pytest-timeout's failure and traceback, and the group goes on to the next test. The
+  broker's deadline is :data:`RANKS_SLACK_S` later, for a rank SIGALRM cannot reach (blocked
+  in a collective's C++ wait): then as below;
+* **thread method**: what is left of the timeout is the broker's deadline for the task: when
+  it passes, the broker collects every rank's stack, stops the task's group (the next test
+  runs on the spare group, without waiting for a spawn) and the test fails with
+  pytest-timeout's own message (its JUnit message) and where each rank was on the test's
+  captured stderr, where pytest-timeout puts its own stack dump. The task is not retried.
 
 The deadline runs from the moment a rank begins the test's protocol: the rank's pytest
 session build before it (plugins, conftests, collection; the broker allows it the start
@@ -32,8 +38,13 @@ import pytest
 
 from cpq.protocol import TaskResult
 
-#: (timeout in seconds, when the timer was set): the timer cpq took from pytest-timeout.
-TIMER_KEY = pytest.StashKey[tuple[float, float]]()
+#: (timeout in seconds, when the timer was set, the deadline's slack beyond it): the timer
+#: cpq took from pytest-timeout.
+TIMER_KEY = pytest.StashKey[tuple[float, float, float]]()
+#: How much later than a signal-method timeout the broker's deadline comes: the ranks' own
+#: SIGALRM fails the test first, and reports it, fixtures torn down (a newcomer's trial:
+#: a stopped group's bare message was all a timed-out test showed).
+RANKS_SLACK_S = 5.0
 #: Set while the item runs on the ranks (:mod:`cpq.client.items` sets it: it imports this
 #: module, never the other way round).
 ON_RANKS_KEY = pytest.StashKey[bool]()
@@ -58,7 +69,9 @@ def _runs_on_ranks(item: pytest.Item) -> bool:
 def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
     if not _runs_on_ranks(item) or not hasattr(settings, "_replace"):
         return None  # pytest-timeout's own timer, as it is
-    item.stash[TIMER_KEY] = (float(getattr(settings, "timeout")), time.monotonic())  # noqa: B009
+    in_ranks = getattr(settings, "method", "") == "signal"  # cpq.rank.timeouts arms it there
+    slack = RANKS_SLACK_S if in_ranks else 0.0
+    item.stash[TIMER_KEY] = (float(getattr(settings, "timeout")), time.monotonic(), slack)  # noqa: B009
     import pytest_timeout  # here only when pytest-timeout calls: it is installed
 
     later = settings._replace(timeout=item.stash[TIMER_KEY][0] + BUILD_ALLOWANCE_S + BACKSTOP_S)
@@ -82,11 +95,11 @@ def remaining(item: pytest.Item) -> float | None:
     timer = item.stash.get(TIMER_KEY, None)
     if timer is None:
         return None
-    timeout, started = timer
+    timeout, started, slack = timer
     left = timeout - (time.monotonic() - started)
     if left <= 0:  # setup used it all up
         pytest.fail(FAILURE_MESSAGE % timeout, pytrace=False)
-    return left
+    return left + slack
 
 
 def fail_if_timed_out(item: pytest.Item, result: TaskResult) -> None:

@@ -26,8 +26,9 @@ ranks run pytest".
   conftest never reaches a cached collection: the code check before every task sends the
   task to a fresh group (:mod:`cpq.rank.freshness`).
 * **Plugins.** The caller's, except those whose work is the calling process's: terminal
-  reporting, cpq itself, coverage (cpq measures the ranks itself), rerun and timeout plugins
-  (the caller reruns and times the test), xdist's distribution; ``--pdb``, ``-x``, ``--lf``,
+  reporting, cpq itself, coverage (cpq measures the ranks itself), rerun plugins (the caller
+  reruns the test), xdist's distribution; pytest-timeout runs here as in a fresh rank where
+  its signal method times the test (:mod:`cpq.rank.timeouts`); ``--pdb``, ``-x``, ``--lf``,
   JUnit and the like are off here (the caller does them from the combined reports).
 * **Random generators** start each test as a fresh process's do: ``random``, numpy and torch
   drawn from fresh entropy, different per rank, unless a fixture or a plugin (pytest-randomly,
@@ -54,7 +55,6 @@ BLOCKED_PLUGINS = (
     "cpq",
     "cpq.client.plugin",  # its name when given as -p (cpq on PYTHONPATH, not installed)
     "pytest_cov",
-    "timeout",
     "rerunfailures",
     "flaky",
 )
@@ -90,6 +90,7 @@ RANK_OPTIONS: dict[str, Any] = {
     "version": 0,
     "pastebin": None,
     "durations": None,
+    "session_timeout": None,  # pytest-timeout's: the caller's session, not this one
 }
 
 
@@ -253,7 +254,8 @@ class RankSession:
             os.makedirs(base, exist_ok=True)
             options["basetemp"] = os.path.join(base, f"rank{rank}-{os.getpid()}")
         args: list[str] = []
-        for name in BLOCKED_PLUGINS:
+        blocked = BLOCKED_PLUGINS if setup.get("timeout") else (*BLOCKED_PLUGINS, "timeout")
+        for name in blocked:
             args += ["-p", f"no:{name}"]
         if setup.get("rootdir"):
             args += ["--rootdir", str(setup["rootdir"])]
@@ -266,6 +268,9 @@ class RankSession:
         self.recorder = _Recorder()
         self.config.pluginmanager.register(self.recorder, "cpq-rank-recorder")
         self.config.pluginmanager.register(_phase_plugin(), "cpq-rank-phases")
+        from cpq.rank import timeouts  # imports pytest: only where a test runs
+
+        self.config.pluginmanager.register(timeouts.InRank(), "cpq-rank-timeouts")
         self.config._do_configure()
         self._silence_terminal()
         for name in ("lfplugin", "nfplugin", "stepwiseplugin"):  # the caller's cache only
