@@ -185,6 +185,14 @@ def broker_reply(sock: zmq.Socket[Any], timeout_s: float = 5.0) -> dict[str, Any
     raise AssertionError(f"no answer from the broker within {timeout_s}s")
 
 
+def project_session(monkeypatch: pytest.MonkeyPatch, broker: str, project: Path) -> None:
+    """A pytester project's runs as a user's shell gives them: this suite's broker, the
+    project importable, no ``CPQ_WORLD_SIZE`` of the outer session's."""
+    monkeypatch.setenv("CPQ_ENDPOINT", broker)
+    monkeypatch.setenv("PYTHONPATH", str(project))
+    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+
+
 # ---- verdicts test by test, for comparisons with a fresh torchrun -m pytest
 
 #: A pytest plugin (``-p verdicts``, written into a project) recording each pytest

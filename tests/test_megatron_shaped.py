@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from conftest import VERDICTS_PLUGIN, fresh_verdicts, run_with_verdicts
+from conftest import VERDICTS_PLUGIN, fresh_verdicts, project_session, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -184,9 +184,7 @@ def test_destroy_frees_every_group():
 def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
     pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    project_session(monkeypatch, broker, pytester.path)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(
         parallel_state=PARALLEL_STATE, utils=UTILS, test_shaped=TESTS, verdicts=VERDICTS_PLUGIN

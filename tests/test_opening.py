@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import VERDICTS_PLUGIN, fresh_verdicts, run_with_verdicts
+from conftest import VERDICTS_PLUGIN, fresh_verdicts, project_session, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -56,9 +56,7 @@ def test_fails_on_rank_one():
 
 @pytest.fixture
 def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    project_session(monkeypatch, broker, pytester.path)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(verdicts=VERDICTS_PLUGIN, test_session=TESTS)
     return pytester.path

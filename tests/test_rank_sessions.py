@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import VERDICTS_PLUGIN, fresh_verdicts, run_with_verdicts
+from conftest import VERDICTS_PLUGIN, fresh_verdicts, project_session, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -181,9 +181,7 @@ FLAGS = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA"]
 
 @pytest.fixture
 def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    project_session(monkeypatch, broker, pytester.path)
     pytester.makeini(INI)
     pytester.makeconftest(ROOT_CONFTEST)
     pytester.makepyfile(verdicts=VERDICTS_PLUGIN)
@@ -259,9 +257,7 @@ def test_a_marker_cpq_cannot_use_fails_only_its_test(
     """The marker means nothing to a fresh run (every test passes there); under cpq the
     three it cannot use fail naming the problem, before anything of theirs runs, and the
     session's other tests run and pass."""
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    project_session(monkeypatch, broker, pytester.path)
     pytester.makepyfile(test_markers=BAD_MARKERS, verdicts=VERDICTS_PLUGIN)
     run = run_with_verdicts(
         [sys.executable, "-m", "pytest", *FLAGS, "test_markers.py"],

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import VERDICTS_PLUGIN, combined_verdicts, run_with_verdicts
+from conftest import VERDICTS_PLUGIN, combined_verdicts, project_session, run_with_verdicts
 
 pytest_plugins = ["pytester"]
 
@@ -220,9 +220,7 @@ filterwarnings =
 
 @pytest.fixture
 def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    project_session(monkeypatch, broker, pytester.path)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_plain=PLAIN, test_marked=MARKED, verdicts=VERDICTS_PLUGIN)
     pytester.makeini(INI)
@@ -317,9 +315,7 @@ def test_the_calling_process_renders_no_failure_of_the_ranks(
     process's pytest does not render the hollow phase's exception as well (it cost 20-80 ms
     a failing test, BENCHMARKS.md "Where the warm session's wall goes"). The same counter
     in a plain pytest run renders the failure once: it can see a rendering."""
-    monkeypatch.setenv("CPQ_ENDPOINT", broker)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    project_session(monkeypatch, broker, pytester.path)
     pytester.makepyfile(
         render_counter=RENDER_COUNTER,
         test_fails="def test_fails():\n    value = 41\n    assert value + 1 == 43\n",

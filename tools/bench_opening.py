@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_pytest_ranks import ROOT, settle, start_broker, tree_env
+from bench_pytest_ranks import ROOT, print_trees, settle, start_broker, tree_env
 
 SLOW_PACKAGE = """
 import time
@@ -128,11 +127,7 @@ def main() -> None:
         f"{args.import_s} s of CPU in the {args.where}, {args.reps} warm sessions per tree, "
         "alternated"
     )
-    print("| tree | warm session wall, median (s) | sessions (s) |")
-    print("| --- | --- | --- |")
-    for name, values in walls.items():
-        runs = ", ".join(f"{v:.2f}" for v in values)
-        print(f"| {name} | {statistics.median(values):.2f} | {runs} |")
+    print_trees("warm session wall, median (s)", "sessions (s)", walls)
     if args.json:
         args.json.write_text(
             json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "walls": walls})

@@ -122,6 +122,15 @@ def session_wall(project: Path, module: str, env: dict[str, str]) -> float:
     return wall
 
 
+def print_trees(median: str, runs: str, values: dict[str, list[float]]) -> None:
+    """A markdown table of each tree's median and its runs (BENCHMARKS.md's form)."""
+    print(f"| tree | {median} | {runs} |")
+    print("| --- | --- | --- |")
+    for name, each in values.items():
+        listed = ", ".join(f"{v:.2f}" for v in each)
+        print(f"| {name} | {statistics.median(each):.2f} | {listed} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tests", type=int, default=200)
@@ -184,11 +193,7 @@ def main() -> None:
         f"{args.tests} no-op ws={args.world_size} tests per session, {args.reps} reps, "
         f"gpus={args.gpus}"
     )
-    print("| tree | per test, median (ms) | runs (ms) |")
-    print("| --- | --- | --- |")
-    for name, values in per_test.items():
-        runs = ", ".join(f"{v:.2f}" for v in values)
-        print(f"| {name} | {statistics.median(values):.2f} | {runs} |")
+    print_trees("per test, median (ms)", "runs (ms)", per_test)
     if args.json:
         args.json.write_text(json.dumps({"tests": args.tests, "per_test_ms": per_test}, indent=1))
 

@@ -86,12 +86,7 @@ def wanted(config: pytest.Config, session: CpqSession) -> bool:
         items.check_pytest()
     except Unusable:
         return False  # every test that would run on the ranks fails saying so
-    if session.autostart:
-        return True
-    from cpq.client.autostart import broker_alive
-
-    endpoint = session.resolved_endpoint()
-    return not endpoint.startswith("ipc://") or broker_alive(endpoint)
+    return session.broker_at_hand()
 
 
 def send(config: pytest.Config, session: CpqSession) -> None:

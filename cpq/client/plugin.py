@@ -139,7 +139,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     pdb_relay.wrap_pdb_invoke(session.config)  # after pytest's --pdb plugin is configured
     if session.config.option.collectonly or fanout.deselects(session.config):
         return  # nothing will run, or a shard: the last run's groups may be another share's
-    if cache is None or (not cpq_session.autostart and not _broker_running(cpq_session)):
+    if cache is None or not cpq_session.broker_at_hand():
         return
     recorded = cache.get(WARM_CACHE_KEY, None)
     if not isinstance(recorded, list) or not recorded:
@@ -160,13 +160,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             counts.append(count)
     if specs:
         cpq_session.warm(specs, counts)
-
-
-def _broker_running(cpq_session: CpqSession) -> bool:
-    from cpq.client.autostart import broker_alive
-
-    endpoint = cpq_session.resolved_endpoint()
-    return not endpoint.startswith("ipc://") or broker_alive(endpoint)
 
 
 _marker_args = items.marker_args
@@ -232,7 +225,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         return
     if spec in cpq_session.warmed:
         return
-    if not cpq_session.autostart and not _broker_running(cpq_session):
+    if not cpq_session.broker_at_hand():
         return  # no broker to ask, and none to start: do not wait for one per spec
     cpq_session.warm([spec], [1])
 

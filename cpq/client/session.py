@@ -159,6 +159,16 @@ class CpqSession:
     def resolved_endpoint(self) -> str:
         return self.endpoint or paths.default_endpoint()
 
+    def broker_at_hand(self) -> bool:
+        """Whether asking the broker now is worth it: autostart may start one, or one runs
+        (an endpoint that is not a local socket is taken to be up)."""
+        if self.autostart:
+            return True
+        from cpq.client.autostart import broker_alive
+
+        endpoint = self.resolved_endpoint()
+        return not endpoint.startswith("ipc://") or broker_alive(endpoint)
+
     @property
     def client(self) -> Any:
         if self._client is None:

@@ -31,8 +31,11 @@ class FakeSession:
         self.world_size = world_size
         self.under_launcher = kwargs.get("under_launcher", False)
         self.broker_gone = kwargs.get("broker_gone", "")
-        self.autostart = True
+        self.at_hand = kwargs.get("at_hand", True)
         self.waited: list[str] = []
+
+    def broker_at_hand(self) -> bool:
+        return self.at_hand
 
     def wait(self, future: Future[TaskResult], test_id: str) -> TaskResult:
         self.waited.append(test_id)
@@ -48,6 +51,7 @@ class FakeSession:
         (FakeConfig(), FakeSession(2, broker_gone="cpq: gone"), False),
         (FakeConfig(collectonly=True), FakeSession(2), False),
         (FakeConfig(xdist_controller=True), FakeSession(2), False),  # its workers open
+        (FakeConfig(), FakeSession(2, at_hand=False), False),  # autostart off, none runs
     ],
 )
 def test_who_opens_ahead(config: FakeConfig, session: FakeSession, expected: bool) -> None:
