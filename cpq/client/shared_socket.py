@@ -124,8 +124,14 @@ class SharedSocket:
     def flush(self) -> None:
         while self.outbox:
             # Sent, then removed: a frame interrupted before it went out stays first in line
-            # (a later env_same must not overtake the variables it refers to).
-            self.dealer.send(self.outbox[0])
+            # (a later env_same must not overtake the variables it refers to). Never blocking:
+            # a DEALER with no peer (a CURVE handshake the broker refused drops the pipe)
+            # blocks a send for ever, where the caller's own time-out must say "no answer";
+            # the frame waits for the next flush (every pump, a tick at most).
+            try:
+                self.dealer.send(self.outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
             self.outbox.popleft()
             self.last_sent = time.monotonic()
 
