@@ -34,8 +34,8 @@ MUTANTS = (
     Mutant(
         "reset: the caller's environment never applied on a rank",
         "cpq/rank/reset.py",
-        "    _set_environ(target)\n",
-        "    _set_environ(dict(baseline.start_environ))\n",
+        "    set_environ(environ_for(baseline, caller_env))\n",
+        "    set_environ(dict(baseline.start_environ))\n",
         ("tests/unit/test_reset.py",),
     ),
     Mutant(

@@ -56,7 +56,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,21 @@ class Crossed:
     forgotten: dict[str, str] = field(default_factory=dict)  # module -> its file ("")
     #: family -> why it stays, for the families loaded after ready that were kept.
     kept: dict[str, str] = field(default_factory=dict)
+    #: Forgotten families whose every module a plain file loader executed (no assertion
+    #: rewriting, no custom loader): what :mod:`cpq.rank.ahead` may import again.
+    plain: set[str] = field(default_factory=set)
     seconds: float = 0.0
+
+
+@dataclass
+class Detached:
+    """Families taken out of ``sys.modules`` whole, with what belongs to them: kept by
+    :mod:`cpq.rank.ahead` until a session imports them (then put back as they were)."""
+
+    modules: dict[str, Any] = field(default_factory=dict)  # name -> module, import order
+    loggers: dict[str, Any] = field(default_factory=dict)
+    meta_path: list[Any] = field(default_factory=list)
+    path_hooks: list[Any] = field(default_factory=list)
 
 
 _ready: _Ready | None = None
@@ -248,9 +262,15 @@ def _registered_files(ready: _Ready) -> tuple[set[str], set[str]]:
 
 def _referenced_families(names: Iterable[str], families: dict[str, list[str]]) -> set[str]:
     """The families among ``families`` that the modules ``names`` refer to at module level."""
+    return references((sys.modules.get(name) for name in names), families)
+
+
+def references(modules: Iterable[Any], tops: Container[str]) -> set[str]:
+    """The top-level names among ``tops`` whose modules ``modules`` refer to at module level
+    (``import X``, ``from X import f``)."""
     found: set[str] = set()
-    for name in names:
-        namespace = getattr(sys.modules.get(name), "__dict__", None)
+    for module in modules:
+        namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
         for value in list(namespace.values()):
@@ -262,12 +282,13 @@ def _referenced_families(names: Iterable[str], families: dict[str, list[str]]) -
             if not isinstance(owner, str):
                 continue
             top = owner.partition(".")[0]
-            if top in families:
+            if top in tops:
                 found.add(top)
     return found
 
 
-def _forget(ready: _Ready) -> Crossed:
+def _select(ready: _Ready) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """``(families that go -> their modules, kept families -> why)``."""
     families, kept, staying = _candidates(ready)
     if families:
         files, registrants = _registered_files(ready)
@@ -287,13 +308,72 @@ def _forget(ready: _Ready) -> Crossed:
         for top in referenced:
             kept[top] = "a module that stays refers to it"
             scan.extend(families.pop(top))
+    return families, kept
+
+
+def _plain(module: Any) -> bool:
+    loader = getattr(getattr(module, "__spec__", None), "loader", None)
+    if loader is None:  # a namespace package of an older Python
+        return getattr(module, "__path__", None) is not None
+    return type(loader) in _PLAIN_LOADERS or type(loader).__name__ == "NamespaceLoader"
+
+
+_PLAIN_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
+
+
+def _forget(ready: _Ready) -> Crossed:
+    families, kept = _select(ready)
     crossed = Crossed(kept=kept)
+    crossed.plain = {
+        top
+        for top, names in families.items()
+        if all(_plain(sys.modules.get(name)) for name in names)
+    }
     for names in families.values():
         for name in names:
             crossed.forgotten[name] = _file(sys.modules.pop(name, None))
     _forget_loggers(set(families))
     _forget_hooks(set(families))
     return crossed
+
+
+def detach() -> Detached:
+    """Take what :func:`cross` would forget now out of ``sys.modules`` whole — modules,
+    loggers, import hooks — and hand it over instead of dropping it."""
+    detached = Detached()
+    if _ready is None:
+        return detached
+    families, _ = _select(_ready)
+    tops = set(families)
+    for name in list(sys.modules):
+        if name.partition(".")[0] in tops:
+            detached.modules[name] = sys.modules.pop(name)
+    manager = logging.Logger.manager
+    with _logging_lock():
+        for name in list(manager.loggerDict):
+            if name.partition(".")[0] in tops:
+                detached.loggers[name] = manager.loggerDict.pop(name)
+        clear = getattr(manager, "_clear_cache", None)
+        if clear is not None:
+            clear()
+    detached.meta_path = [h for h in sys.meta_path if _owner_top(h) in tops]
+    detached.path_hooks = [h for h in sys.path_hooks if _owner_top(h) in tops]
+    _forget_hooks(tops)
+    return detached
+
+
+def attach(detached: Detached) -> None:
+    """Put what :func:`detach` took back, as it was."""
+    sys.modules.update(detached.modules)
+    manager = logging.Logger.manager
+    with _logging_lock():
+        manager.loggerDict.update(detached.loggers)
+        clear = getattr(manager, "_clear_cache", None)
+        if clear is not None:
+            clear()
+    sys.meta_path.extend(h for h in detached.meta_path if h not in sys.meta_path)
+    sys.path_hooks.extend(h for h in detached.path_hooks if h not in sys.path_hooks)
+    sys.path_importer_cache.clear()
 
 
 def _forget_loggers(families: set[str]) -> None:
@@ -350,7 +430,9 @@ def _restore(ready: _Ready) -> None:
     if sys.path != ready.path:
         sys.path[:] = ready.path
     for hook in list(sys.meta_path):  # hooks added since ready by what stays are kept
-        if hook not in ready.meta_path and _owner_top(hook) in HARNESS:
+        if hook in ready.meta_path or getattr(hook, "keep_across_boundary", False):
+            continue
+        if _owner_top(hook) in HARNESS:
             sys.meta_path.remove(hook)  # pytest's assertion rewriter of a finished session
     if warnings.filters != ready.filters:
         warnings.filters[:] = ready.filters  # type: ignore[index]

@@ -220,6 +220,24 @@ def _read(torch: Any) -> dict[str, Any]:
     return values
 
 
+def read_switches() -> dict[str, Any]:
+    """torch's switches now (empty without torch)."""
+    torch = sys.modules.get("torch")
+    return {} if torch is None else _read(torch)
+
+
+def put_switches(values: dict[str, Any]) -> None:
+    """Set the switches named in ``values`` (read by :func:`read_switches`)."""
+    torch = sys.modules.get("torch")
+    by_name = {switch.name: switch for switch in SWITCHES}
+    for name, value in values.items():
+        if torch is not None and name in by_name:
+            try:
+                by_name[name].put(torch, value)
+            except Exception:
+                log.exception("setting torch's %s failed", name)
+
+
 @dataclass
 class Carryover:
     """The rank as it was when ready: its switches and the GPU memory it held."""

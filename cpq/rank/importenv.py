@@ -55,6 +55,9 @@ self_set: set[str] = set()
 #: ``bound`` as ``os.environ``'s own store holds it (bytes), for a cheap comparison.
 _expected: dict[bytes, bytes | None] = {}
 _starting = [True]
+#: While :func:`diverted` runs: every read an import makes (name -> the value it saw first),
+#: kept apart from ``bound`` (imports made ahead of a session, :mod:`cpq.rank.ahead`).
+_diverted: list[dict[str, str | None]] = []
 
 
 def _importing() -> bool:
@@ -68,6 +71,10 @@ HARNESS_PREFIXES = ("PYTEST_", "CPQ_", "COV_CORE_")
 
 
 def _record(name: str, value: str | None) -> None:
+    if _diverted:
+        if not name.startswith(HARNESS_PREFIXES):
+            _diverted[-1].setdefault(name, value)
+        return
     if name not in bound and name not in self_set and not name.startswith(HARNESS_PREFIXES):
         bound[name] = value
         _expected[os.fsencode(name)] = None if value is None else os.fsencode(value)
@@ -92,18 +99,49 @@ class _TrackedEnviron(os._Environ):  # type: ignore[type-arg]
         return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if _importing():
+        if _importing() and not _diverted:  # diverted: the warm-up refuses such imports
             name = _name(key)
             self_set.add(name)
             _forget(name)
         super().__setitem__(key, value)
 
     def __delitem__(self, key: Any) -> None:
-        if _importing():
+        if _importing() and not _diverted:  # diverted: the warm-up refuses such imports
             name = _name(key)
             self_set.add(name)
             _forget(name)
         super().__delitem__(key)
+
+
+@contextmanager
+def diverted() -> Iterator[dict[str, str | None]]:
+    """Record what the imports inside read into the dict yielded, binding nothing: a
+    session that takes those imports over binds them then (:func:`adopt`)."""
+    reads: dict[str, str | None] = {}
+    _diverted.append(reads)
+    try:
+        yield reads
+    finally:
+        _diverted.pop()
+
+
+def adopt(reads: dict[str, str | None]) -> None:
+    """Bind what imports made ahead of this session read, as if the session's own import
+    had read it now (the values were checked equal to the session's first)."""
+    for name, value in reads.items():
+        _record(name, value)
+
+
+def stale_read(reads: dict[str, str | None]) -> str:
+    """The first variable of ``reads`` whose value differs now ("" when none does)."""
+    data: dict[bytes, bytes] = os.environ._data  # type: ignore[attr-defined]
+    for name, value in reads.items():
+        key = os.fsencode(name)
+        then = None if value is None else os.fsencode(value)
+        now = data.get(key)
+        if now != then and not _same_path_list(key, now, then):
+            return name
+    return ""
 
 
 def _forget(name: str) -> None:

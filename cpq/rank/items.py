@@ -384,6 +384,9 @@ _current: RankSession | None = None
 began: Callable[[], None] | None = None
 #: Test modules pytest imported here: name -> (file, its stamp then).
 _test_modules: dict[str, tuple[str, tuple[int, int]]] = {}
+#: The top-level names of every test module and conftest pytest imported here, ever: never
+#: imported ahead of a session (:mod:`cpq.rank.ahead`; pytest imports them itself).
+test_tops: set[str] = set()
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -403,6 +406,7 @@ def _note_test_module(module: Any) -> None:
     if module is None or not isinstance(path, str) or module.__name__ in _test_modules:
         return
     _test_modules[module.__name__] = (path, _stamp(path))
+    test_tops.add(module.__name__.partition(".")[0])
     freshness.reexecuted.add(module.__name__)
 
 

@@ -80,17 +80,22 @@ def _apply_environ(baseline: Baseline, caller_env: dict[str, str] | None) -> Non
         return
     # Variables a library sets on itself while being imported by a task must survive,
     # or the library breaks in the next task; CPQ_KEEP_ENV names them (TE's by default).
-    kept = {k: os.environ[k] for k in _kept_env_names() if k in os.environ}
-    baseline.start_environ.update(kept)
-    if caller_env is None:
-        target = dict(baseline.start_environ)
-    else:
-        target = environ.task_environ(caller_env, baseline.start_environ, kept)
-    _set_environ(target)
+    set_environ(environ_for(baseline, caller_env))
     baseline.remember(caller_env)
 
 
-def _set_environ(target: dict[str, str]) -> None:
+def environ_for(baseline: Baseline, caller_env: dict[str, str] | None) -> dict[str, str]:
+    """The ``os.environ`` a task of ``caller_env`` runs in."""
+    # Variables a library sets on itself while being imported by a task must survive,
+    # or the library breaks in the next task; CPQ_KEEP_ENV names them (TE's by default).
+    kept = {k: os.environ[k] for k in _kept_env_names() if k in os.environ}
+    baseline.start_environ.update(kept)
+    if caller_env is None:
+        return dict(baseline.start_environ)
+    return environ.task_environ(caller_env, baseline.start_environ, kept)
+
+
+def set_environ(target: dict[str, str]) -> None:
     """Make ``os.environ`` equal ``target`` by its difference only: the caller's variables
     change little from test to test (``PYTEST_CURRENT_TEST``), and each ``os.environ``
     write is a ``putenv`` — rewriting ~100 variables cost ~1 ms a task."""

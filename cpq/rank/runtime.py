@@ -31,6 +31,7 @@ import zmq
 from cpq import protocol
 from cpq.osutil import die_with_parent
 from cpq.rank import (
+    ahead,
     boundary,
     cancel,
     carryover,
@@ -40,12 +41,14 @@ from cpq.rank import (
     leases,
     pdb_relay,
     pgroups,
+    reset,
     script,
 )
 from cpq.rank.capture import FdCapture
 from cpq.rank.coverage_task import measured
 from cpq.rank.freshness import CodeWatch
 from cpq.rank.io import CPQ_DIR, Link, RankConfig, Watchdog, hard_exit
+from cpq.rank.profiling import TaskProfile
 from cpq.rank.reset import Baseline, load_hooks_from_env, reset_state
 
 log = logging.getLogger("cpq.rank")
@@ -402,63 +405,38 @@ def _cross_boundary(task: protocol.RunTask, carried: carryover.Carryover) -> str
 
 
 def _after_caller(
-    task: protocol.RunTask, result: protocol.RankResult, carried: carryover.Carryover
+    task: protocol.RunTask,
+    result: protocol.RankResult,
+    carried: carryover.Carryover,
+    baseline: Baseline,
 ) -> str:
     """Why this rank must serve nothing more after ``task`` ("": it may): what a session
     that just ended here, or a launch, left that a new process would not have; a sticky
-    CUDA error after a failure (at once, after the failing test's own report)."""
+    CUDA error after a failure (at once, after the failing test's own report). A rank fit
+    to serve on plans to import what the session imported ahead of the next
+    (:mod:`cpq.rank.ahead`)."""
     ended = items.session_ended or task.target == script.TARGET
     items.session_ended = False
     if ended:  # what it imported goes first: the memory check then sees it gone too
-        _forget_modules("launch" if task.target == script.TARGET else "session")
-        return carried.unfit_after_caller()
+        path, cwd = list(sys.path), os.getcwd()
+        crossed = _forget_modules("launch" if task.target == script.TARGET else "session")
+        unfit = carried.unfit_after_caller()
+        if not unfit and crossed is not None:
+            ahead.learn(crossed, path, cwd, reset.environ_for(baseline, task.env))
+        return unfit
     if result.outcome == "failed":
         return carryover.sticky_cuda_error()
     return ""
 
 
-def _forget_modules(why: str) -> None:
+def _forget_modules(why: str) -> boundary.Crossed | None:
     """The modules the caller imported go (:mod:`cpq.rank.boundary`): the next session or
     launch imports them afresh, as a new process would."""
     try:
-        boundary.cross(why)
+        return boundary.cross(why)
     except Exception:  # a boundary that cannot be crossed must not take the rank down
         log.exception("crossing the %s boundary failed", why)
-
-
-class _TaskProfile:
-    """``CPQ_RANK_PROFILE=DIR``: each task's handling in this rank under ``cProfile`` (from
-    the task's arrival to its report's encoding), the stats written to
-    ``DIR/rank<r>-<pid>-<n>.prof``, one file per 25 tasks. A tool for finding what a task costs the
-    rank beyond the test's own time (BENCHMARKS.md); off, it costs one attribute test."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.tasks = 0
-        self.profiler: Any = None
-        if path:
-            import cProfile
-
-            self.profiler = cProfile.Profile()
-
-    @classmethod
-    def from_env(cls, rank: int) -> _TaskProfile:
-        folder = os.environ.get("CPQ_RANK_PROFILE", "")
-        return cls(os.path.join(folder, f"rank{rank}-{os.getpid()}") if folder else "")
-
-    def begin(self) -> None:
-        if self.profiler is not None:
-            self.profiler.enable()
-
-    def end(self) -> None:
-        if self.profiler is None:
-            return
-        self.profiler.disable()
-        self.tasks += 1
-        if self.tasks % 25 == 0:  # then a new profile: a file per 25 tasks, numbered
-            with contextlib.suppress(OSError):
-                self.profiler.dump_stats(f"{self.path}-{self.tasks // 25:04d}.prof")
-            self.profiler = type(self.profiler)()
+        return None
 
 
 def main() -> None:
@@ -520,7 +498,7 @@ def main() -> None:
     if check_code and "idle-stale" in features:
         link.on_idle = _idle_code_check(link, watch, config)
     last_env: dict[str, str] | None = None
-    profile = _TaskProfile.from_env(config.rank)
+    profile = TaskProfile.from_env(config.rank)
     while (task := link.next_task()) is not None:
         link.give()  # the watchdog heartbeats for a task that outlasts its tick
         profile.begin()
@@ -558,7 +536,7 @@ def main() -> None:
         if len(importenv.bound) != bound_said:
             bound_said = len(importenv.bound)
             bound_env = sorted(importenv.bound)
-        unfit = "" if stale else _after_caller(task, result, carried)
+        unfit = "" if stale else _after_caller(task, result, carried, baseline)
         cuda_mb, cuda_reserved_mb = _cuda_now_mb()
         done = protocol.RankDone(
             task_id=task.task_id,
@@ -590,6 +568,10 @@ def main() -> None:
         link.send(frame)
         if task.debug and result.outcome == "failed":
             pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
+        if ahead.pending() and not done.unfit:  # idle now: the watchdog holds the socket
+            link.give()
+            ahead.warm()
+            link.take()
     log.info("shutting down")
     hard_exit(0)
 

@@ -1,0 +1,462 @@
+"""Imports ahead of a session: what the project's last session imported, imported again while
+the rank waits for the next one (docs/design.md, "Imports ahead of a session").
+
+The session boundary (:mod:`cpq.rank.boundary`) forgets what a calling session imported, so
+the next session imports it afresh, as a new process would — and pays for it: Megatron-LM's
+root conftest imports ``megatron.core``, ~4 s on the GPU host, at every warm session's
+start, while the test that waits for it is the session's first. A fresh group would pay it
+at its start instead (the design: "groups a project starts next preload what its sessions
+imported"). So when a session ends and the rank is fit to serve another, this module:
+
+1. **learns** what the session imported and the boundary forgot — only families that plain
+   file loaders executed (no assertion rewriting: pytest imports test modules and conftest
+   files itself, with its own hook), in the order the session imported them;
+2. **warms** (after the session's last report went out, the rank otherwise idle): imports
+   them again, family by family in that order, in the session's environment, working
+   directory and ``sys.path``. Each step is a *part*: the families it loaded, the variables
+   its imports read (binding none, :func:`cpq.rank.importenv.diverted`), the warning
+   filters and torch switches it set. Then every new module leaves ``sys.modules`` — with
+   its loggers and import hooks (:func:`cpq.rank.boundary.detach`) — and everything else is
+   put back: the rank is again exactly what the boundary left;
+3. **hands a part over** when the next session imports one of its top-level names, at the
+   moment a fresh process would execute it: a finder first in ``sys.meta_path`` checks that
+   a fresh import would load the same thing — the same file found for the name on today's
+   path, every file unchanged since, every variable the imports read equal in today's
+   environment, none of its families loaded meanwhile — then puts the part back (and first
+   the parts its modules refer to, as the boundary's rule has it), replays its filters and
+   switches where the import runs now (inside a test's warning capture, say), and binds the
+   variables it read, as the session's own import would have. Any difference: every part
+   still waiting is dropped and the session imports afresh. A part nobody imports stays out
+   of sight (``"x" in sys.modules`` is false, as in a fresh process).
+
+Imports that do what cannot be put back (start a thread, change ``os.environ``,
+``sys.path``, a signal handler, the ``sys`` hooks, the root logger, initialise CUDA) or
+fail are not kept and the families are not imported ahead again in this rank; the log says
+why. ``CPQ_IMPORT_AHEAD=0`` (the broker's environment) turns it off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpq.rank import boundary, carryover, importenv, items, reset
+
+log = logging.getLogger("cpq.rank")
+
+ENV = "CPQ_IMPORT_AHEAD"
+_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+@dataclass
+class Plan:
+    """What a session imported, and where: the imports to make ahead of the next one."""
+
+    modules: list[str]
+    path: list[str]
+    cwd: str
+    environ: dict[str, str]
+
+
+@dataclass
+class Part:
+    """What one step of the warm-up imported, out of ``sys.modules`` until a session
+    imports one of its top-level names."""
+
+    order: int
+    tops: set[str] = field(default_factory=set)
+    reads: dict[str, str | None] = field(default_factory=dict)
+    filters: list[Any] = field(default_factory=list)  # what its imports put in front
+    switches: dict[str, Any] = field(default_factory=dict)  # torch's, as its imports set them
+    detached: boundary.Detached = field(default_factory=boundary.Detached)
+    #: top-level name -> (its spec, the origin and search locations a fresh import must find)
+    where: dict[str, tuple[Any, str | None, tuple[str, ...]]] = field(default_factory=dict)
+    stamps: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+
+
+_plan: Plan | None = None
+#: top-level name -> the part holding it (a part holds one or more names).
+_parts: dict[str, Part] = {}
+#: top-level name -> why it is not imported ahead in this rank any more.
+refused: dict[str, str] = {}
+#: What became of the last modules imported ahead, said at the next warm-up (a session's
+#: pytest captures the rank's log while it imports).
+_fate: dict[str, int | str] = {}
+
+
+def learn(crossed: boundary.Crossed, path: list[str], cwd: str, environ: dict[str, str]) -> None:
+    """After a session (or launch) ended and the boundary ``crossed``: plan to import again
+    what it forgot, in the session's ``path``, ``cwd`` and ``environ``."""
+    global _plan
+    _plan = None
+    if not enabled():
+        return
+    tops = crossed.plain - items.test_tops - set(refused)
+    modules = [name for name in crossed.forgotten if name.partition(".")[0] in tops]
+    if modules:
+        _plan = Plan(modules, list(path), cwd, dict(environ))
+
+
+def pending() -> bool:
+    return _plan is not None
+
+
+def held() -> list[str]:
+    """The top-level names imported ahead and not yet handed over (for the log, tests)."""
+    return sorted(_parts)
+
+
+def drop(why: str) -> None:
+    """Forget every part still waiting (the next import of them is a fresh one)."""
+    if _parts:
+        _fate["dropped"] = why
+    _parts.clear()
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+
+
+# ----------------------------------------------------------------------------- warming
+
+
+@dataclass
+class _Saved:
+    """The process-wide state imports may touch, taken before them."""
+
+    path: list[str]
+    cwd: str
+    environ: dict[str, str]
+    filters: list[Any]
+    switches: dict[str, Any]
+    hooks: dict[str, Any]
+    thread_hook: Any
+    signals: dict[int, Any]
+    threads: int
+    root_logger: tuple[int, list[Any]]
+    cuda: bool
+
+    @classmethod
+    def take(cls) -> _Saved:
+        return cls(
+            path=list(sys.path),
+            cwd=os.getcwd(),
+            environ=dict(os.environ),
+            filters=list(warnings.filters),
+            switches=carryover.read_switches(),
+            hooks=_sys_hooks(),
+            thread_hook=threading.excepthook,
+            signals=_signals(),
+            threads=threading.active_count(),
+            root_logger=(logging.root.level, list(logging.root.handlers)),
+            cuda=_cuda_initialized(),
+        )
+
+    def changed(self, plan: Plan) -> str:
+        """What the imports did that cannot be put back ("" when nothing)."""
+        if sys.path != plan.path:
+            return "changed sys.path"
+        if dict(os.environ) != plan.environ:
+            return "changed os.environ"
+        if _sys_hooks() != self.hooks or threading.excepthook is not self.thread_hook:
+            return "replaced a sys hook"
+        if _signals() != self.signals:
+            return "installed a signal handler"
+        if threading.active_count() > self.threads:
+            return "started a thread"
+        if (logging.root.level, list(logging.root.handlers)) != self.root_logger:
+            return "configured the root logger"
+        if _cuda_initialized() and not self.cuda:
+            return "initialised CUDA"
+        if warnings.filters[len(warnings.filters) - len(self.filters) :] != self.filters:
+            return "removed warning filters"
+        return ""
+
+    def put_back(self) -> None:
+        sys.path[:] = self.path
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
+        reset.set_environ(self.environ)
+        _set_filters(self.filters)
+        now = carryover.read_switches()
+        carryover.put_switches({n: v for n, v in self.switches.items() if now.get(n) != v})
+
+
+def warm() -> None:
+    """Make the planned imports and keep them aside (see the module docstring). Run by the
+    main thread while the rank waits for work; never raises."""
+    global _plan
+    plan, _plan = _plan, None
+    drop("not imported by the session that just ended")
+    if _fate:
+        log.info("the modules imported ahead of the last session: %s", _said(_fate))
+        _fate.clear()
+    if plan is None:
+        return
+    started = time.perf_counter()
+    saved = _Saved.take()
+    parts: list[Part] = []
+    why = ""
+    try:
+        reset.set_environ(plan.environ)
+        os.chdir(plan.cwd)
+        sys.path[:] = plan.path
+        for family in _families(plan.modules):
+            _step(family, parts)
+        why = saved.changed(plan)
+    except BaseException as exc:  # an import's failure refuses the plan, never the rank
+        why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    detached = boundary.detach()  # what the imports loaded leaves sys.modules, whatever came
+    saved.put_back()
+    tops = {name.partition(".")[0] for name in detached.modules}
+    if why or not tops:
+        for top in tops | {name.partition(".")[0] for name in plan.modules}:
+            refused[top] = why or "nothing to keep"
+        log.info("not importing %s ahead of sessions: the import %s", ", ".join(sorted(tops)), why)
+        return
+    for part in parts:
+        part.tops = {top for top in part.tops & tops if top in detached.modules}
+        part.detached = _share(detached, part.tops)
+        part.where = {top: _where(part.detached.modules[top]) for top in part.tops}
+        part.stamps = {path: _stamp(path) for path in _files(part.detached)}
+        _parts.update(dict.fromkeys(part.tops, part))
+    sys.meta_path.insert(0, _FINDER)
+    log.info(
+        "imported ahead of the next session in %.2fs: %d modules of %s",
+        time.perf_counter() - started,
+        len(detached.modules),
+        ", ".join(sorted(_parts))[:300],
+    )
+
+
+def _families(modules: list[str]) -> list[list[str]]:
+    """``modules`` by family, each family where its first module was."""
+    by_top: dict[str, list[str]] = {}
+    for name in modules:
+        by_top.setdefault(name.partition(".")[0], []).append(name)
+    return list(by_top.values())
+
+
+def _step(family: list[str], parts: list[Part]) -> None:
+    """Import one family's modules; what they load joins the part that holds the family, or
+    a new one."""
+    top = family[0].partition(".")[0]
+    part = next((p for p in parts if top in p.tops), None)
+    if part is None:
+        part = Part(order=len(parts))
+        parts.append(part)
+    before, filters, switches = set(sys.modules), list(warnings.filters), carryover.read_switches()
+    with importenv.diverted() as reads:
+        for name in family:
+            if name in sys.modules:
+                continue
+            try:
+                importlib.import_module(name)
+            except ImportError:  # a submodule loaded under a name of its own: skip it
+                if "." not in name:
+                    raise
+    part.tops |= {name.partition(".")[0] for name in set(sys.modules) - before} | {top}
+    for name, value in reads.items():
+        part.reads.setdefault(name, value)
+    part.filters[:0] = warnings.filters[: len(warnings.filters) - len(filters)]
+    part.switches.update(
+        {n: v for n, v in carryover.read_switches().items() if switches.get(n) != v}
+    )
+
+
+def _share(detached: boundary.Detached, tops: set[str]) -> boundary.Detached:
+    """The share of ``detached`` that belongs to the families ``tops``."""
+
+    def mine(name: str) -> bool:
+        return name.partition(".")[0] in tops
+
+    return boundary.Detached(
+        modules={n: m for n, m in detached.modules.items() if mine(n)},
+        loggers={n: g for n, g in detached.loggers.items() if mine(n)},
+        meta_path=[h for h in detached.meta_path if mine(_owner(h))],
+        path_hooks=[h for h in detached.path_hooks if mine(_owner(h))],
+    )
+
+
+# ----------------------------------------------------------------------------- handing over
+
+
+class _Finder:
+    """First in ``sys.meta_path`` while parts wait: answers for their top-level names."""
+
+    keep_across_boundary = True  # cpq's own hook: the boundary leaves it in place
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        part = _parts.get(name) if path is None else None
+        if part is None:
+            return None
+        why = next(filter(None, (_why_not(p) for p in _needed(part))), "")
+        if why:
+            drop(why)
+            return None
+        spec, origin, locations = part.where[name]
+        found = importlib.machinery.ModuleSpec(name, _Loader(spec), origin=origin)
+        if getattr(spec, "submodule_search_locations", None) is not None:
+            found.submodule_search_locations = list(locations)  # what a probe reads
+        return found
+
+    def __repr__(self) -> str:
+        return "<cpq: modules imported ahead of the session>"
+
+
+class _Loader(importlib.abc.Loader):
+    """Loads a module imported ahead: its part (and the parts it needs) go back."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    def create_module(self, spec: Any) -> Any:
+        part = _parts.get(spec.name)
+        if part is None:  # dropped between find and load: a fresh import
+            return None
+        for each in _needed(part):
+            _hand_over(each)
+        return part.detached.modules[spec.name]
+
+    def exec_module(self, module: Any) -> None:
+        if self.spec is not None and getattr(module, "__spec__", None) is not self.spec:
+            module.__spec__ = self.spec  # the import system set ours: the module's own back
+
+
+def _needed(part: Part) -> list[Part]:
+    """``part`` and the waiting parts its modules refer to, transitively, oldest first."""
+    needed = {part.order: part}
+    scan = [part]
+    while scan:
+        waiting = {top for top, p in _parts.items() if p.order not in needed}
+        found = boundary.references((m for p in scan for m in p.detached.modules.values()), waiting)
+        scan = [_parts[top] for top in found if _parts[top].order not in needed]
+        needed.update((p.order, p) for p in scan)
+    return [needed[order] for order in sorted(needed)]
+
+
+def _why_not(part: Part) -> str:
+    """Why a fresh import would not load what ``part`` holds ("" when it would)."""
+    for top in part.tops:
+        if top in sys.modules:
+            return f"{top} was imported by other means meanwhile"
+    variable = importenv.stale_read(part.reads)
+    if variable:
+        return f"the imports read {variable}, which differs in this session"
+    for path, stamp in part.stamps.items():
+        if _stamp(path) != stamp:
+            return f"{path} changed"
+    for top, (_, origin, locations) in part.where.items():
+        if _resolve(top) != (origin, locations):
+            return f"{top} resolves elsewhere on this session's path"
+    return ""
+
+
+def _hand_over(part: Part) -> None:
+    for top in part.tops:
+        _parts.pop(top, None)
+    if not _parts and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    boundary.attach(part.detached)
+    if part.filters:
+        _set_filters(part.filters + list(warnings.filters))
+    carryover.put_switches(part.switches)
+    importenv.adopt(part.reads)
+    _fate["taken over"] = int(_fate.get("taken over", 0)) + len(part.detached.modules)
+
+
+def _resolve(top: str) -> tuple[str | None, tuple[str, ...]] | None:
+    for finder in list(sys.meta_path):
+        if finder is _FINDER:
+            continue
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(top, None)
+        except Exception:
+            return None
+        if spec is not None:
+            return spec.origin, tuple(spec.submodule_search_locations or ())
+    return None
+
+
+_FINDER = _Finder()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _said(fate: dict[str, int | str]) -> str:
+    said = []
+    if "taken over" in fate:
+        said.append(f"{fate['taken over']} modules were taken over")
+    if "dropped" in fate:
+        said.append(f"{'the rest' if said else 'they'} were dropped: {fate['dropped']}")
+    return "; ".join(said)
+
+
+def _owner(hook: Any) -> str:
+    owner = getattr(hook, "__module__", None) or getattr(type(hook), "__module__", "")
+    return owner if isinstance(owner, str) else ""
+
+
+def _where(module: Any) -> tuple[Any, str | None, tuple[str, ...]]:
+    spec = getattr(module, "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    locations = tuple(getattr(spec, "submodule_search_locations", None) or ())
+    return spec, origin, locations
+
+
+def _files(detached: boundary.Detached) -> list[str]:
+    files = []
+    for module in detached.modules.values():
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            files.append(path)
+    return files
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
+
+
+def _set_filters(filters: list[Any]) -> None:
+    if warnings.filters != filters:
+        warnings.filters[:] = filters  # type: ignore[index]
+        mutated = getattr(warnings, "_filters_mutated", None)
+        if mutated is not None:
+            mutated()
+
+
+def _sys_hooks() -> dict[str, Any]:
+    return {name: getattr(sys, name) for name in _HOOKS if hasattr(sys, name)}
+
+
+def _signals() -> dict[int, Any]:
+    skip = {signal.SIGKILL, signal.SIGSTOP}
+    return {int(s): signal.getsignal(s) for s in signal.Signals if s not in skip}
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
