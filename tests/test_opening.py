@@ -1,7 +1,8 @@
 """The ranks open a ``--cpq-world-size`` session while the pytest process collects
 (cpq.client.opening), compared with a fresh ``torchrun -m pytest``: a rank collects as a
 fresh rank does, before any test (no ``PYTEST_CURRENT_TEST``), and the session's first test
-runs in the rank process that collected it, as in a fresh run's one process per rank."""
+runs in the rank process that collected it, as in a fresh run's one process per rank; what
+the conftest set at import (a torch switch) holds in the session's tests, as in a fresh rank."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ FLAGS = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA"]
 CONFTEST = """
 import json
 import os
+
+import torch
+
+torch.set_default_dtype(torch.float64)  # at import: the session's own, as in a fresh rank
 
 
 def pytest_collection_finish(session):
@@ -49,6 +54,12 @@ def test_runs_where_it_was_collected():
     assert _seen()["pid"] == os.getpid()
 
 
+def test_keeps_what_the_conftest_set_at_import():
+    import torch
+
+    assert torch.get_default_dtype() == torch.float64
+
+
 def test_fails_on_rank_one():
     assert os.environ["RANK"] != "1"
 """
@@ -70,6 +81,7 @@ def test_the_ranks_collect_as_a_fresh_rank_does_and_run_the_first_test_there(
     assert reference == {
         "test_session.py::test_collected_before_any_test": "passed",
         "test_session.py::test_runs_where_it_was_collected": "passed",
+        "test_session.py::test_keeps_what_the_conftest_set_at_import": "passed",
         "test_session.py::test_fails_on_rank_one": "failed",
     }, run.stdout[-3000:]
     command = [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *FLAGS, "test_session.py"]

@@ -144,7 +144,7 @@ class _Saved:
     hooks: dict[str, Any]
     thread_hook: Any
     signals: dict[int, Any]
-    threads: int
+    threads: set[threading.Thread]
     root_logger: tuple[int, list[Any]]
     cuda: bool
 
@@ -159,7 +159,7 @@ class _Saved:
             hooks=_sys_hooks(),
             thread_hook=threading.excepthook,
             signals=_signals(),
-            threads=threading.active_count(),
+            threads=set(threading.enumerate()),
             root_logger=(logging.root.level, list(logging.root.handlers)),
             cuda=_cuda_initialized(),
         )
@@ -174,7 +174,7 @@ class _Saved:
             return "replaced a sys hook"
         if _signals() != self.signals:
             return "installed a signal handler"
-        if threading.active_count() > self.threads:
+        if set(threading.enumerate()) - self.threads:
             return "started a thread"
         if (logging.root.level, list(logging.root.handlers)) != self.root_logger:
             return "configured the root logger"
@@ -199,7 +199,7 @@ def warm() -> None:
     main thread while the rank waits for work; never raises."""
     global _plan
     plan, _plan = _plan, None
-    drop("not imported by the session that just ended")
+    drop("not imported by the session that just ended")  # the runtime did, unless a test
     if _fate:
         log.info("the modules imported ahead of the last session: %s", _said(_fate))
         _fate.clear()

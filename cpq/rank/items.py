@@ -546,10 +546,15 @@ def in_session() -> bool:
 
 def continues(task: Any) -> bool:
     """Whether ``task`` is the next test of the calling session whose tests run here now."""
+    return _current is not None and _current.begun and of_current(task)
+
+
+def of_current(task: Any) -> bool:
+    """Whether ``task`` is a test of the calling session open here (its tests began, or
+    only its opening ran: then its imports' effects are the session's own)."""
     return (
         task.target == TARGET
         and _current is not None
-        and _current.begun
         and isinstance(task.kwargs, dict)
         and task.kwargs.get("session") == _current.key
     )

@@ -400,7 +400,8 @@ def _cross_boundary(task: protocol.RunTask, carried: carryover.Carryover) -> str
         if why:
             log.info("not serving another caller: this rank %s", why)
             return f"the last caller left this rank unfit: it {why}"
-    carried.restore_switches()
+    if not items.of_current(task):  # opened here: what its conftests set is the session's
+        carried.restore_switches()
     return ""
 
 
@@ -420,6 +421,7 @@ def _after_caller(
     if ended:  # what it imported goes first: the memory check then sees it gone too
         path, cwd = list(sys.path), os.getcwd()
         crossed = _forget_modules("launch" if task.target == script.TARGET else "session")
+        ahead.drop("not imported by the session that just ended")  # before the memory check
         unfit = carried.unfit_after_caller()
         if not unfit and crossed is not None:
             ahead.learn(crossed, path, cwd, reset.environ_for(baseline, task.env))

@@ -3,6 +3,7 @@
 #   1. Megatron-LM's 281 unit tests: fresh torchrun -m pytest, cpq cold, cpq warm
 #      (the staged folder's run.sh; verdicts compared test by test);
 #   2. cpq's time per test beyond the test's own (tools/gpu/task_overhead.py), warm session;
+#      what the rank imported ahead of the warm session (its log);
 #   3. a second Megatron-LM bucket of our choosing (optimizer/ and four top-level files that
 #      import without Transformer Engine), the same three runs;
 #   4. tools/bench_core.py: the no-op round trip against the stdio pool, side by side;
@@ -22,7 +23,10 @@ tests/unit_tests/test_process_groups_config.py tests/unit_tests/test_rank_utils.
 tests/unit_tests/test_optimizer_param_scheduler.py"
 
 OUT=$OUT/main bash .megatron/run.sh "$PROJ"
-tar -xzf "$OUT/main/meg-logs.tar.gz" -C "$OUT/main" ./timings.jsonl 2>/dev/null
+tar -xzf "$OUT/main/meg-logs.tar.gz" -C "$OUT/main" ./timings.jsonl ./broker 2>/dev/null
+echo "== imports ahead of the warm session (rank logs: what was imported ahead, what became of it)"
+grep -h -E "imported ahead|modules imported ahead|not importing" "$OUT"/main/broker/*rank*.log \
+  2>/dev/null | cut -c1-260 | head -8 | tee "$OUT/ahead.txt"
 echo "== cpq's time per test (warm session)" | tee "$OUT/overhead.txt"
 python3 tools/gpu/task_overhead.py "$OUT/main/timings.jsonl" "$OUT/main/meg-warm.xml" \
   | tee -a "$OUT/overhead.txt"
