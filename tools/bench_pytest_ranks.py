@@ -89,8 +89,20 @@ def settle(env: dict[str, str]) -> None:
         )
         pools = json.loads(done.stdout).get("pools", []) if done.returncode == 0 else []
         if done.returncode == 0 and not any(p.get("state") == "starting" for p in pools):
-            return
+            break
         time.sleep(0.5)
+    quiet_cpu()
+
+
+def quiet_cpu(percent: float = 25.0, timeout_s: float = 30.0) -> None:
+    """Wait (up to ``timeout_s``) for the machine's CPUs to be quiet: an idle rank of another
+    tree's broker may still be importing ahead of its next session (cpq/rank/ahead.py), work
+    its broker does not see, which would slow the session measured next."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and psutil.cpu_percent(interval=0.3) > percent:
+        pass
 
 
 def session_wall(project: Path, module: str, env: dict[str, str]) -> float:
