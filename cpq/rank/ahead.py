@@ -285,8 +285,8 @@ def _share(detached: boundary.Detached, tops: set[str]) -> boundary.Detached:
     return boundary.Detached(
         modules={n: m for n, m in detached.modules.items() if mine(n)},
         loggers={n: g for n, g in detached.loggers.items() if mine(n)},
-        meta_path=[h for h in detached.meta_path if mine(_owner(h))],
-        path_hooks=[h for h in detached.path_hooks if mine(_owner(h))],
+        meta_path=[(i, h) for i, h in detached.meta_path if boundary.owner_top(h) in tops],
+        path_hooks=[(i, h) for i, h in detached.path_hooks if boundary.owner_top(h) in tops],
     )
 
 
@@ -406,11 +406,6 @@ def _said(fate: dict[str, int | str]) -> str:
     if "dropped" in fate:
         said.append(f"{'the rest' if said else 'they'} were dropped: {fate['dropped']}")
     return "; ".join(said)
-
-
-def _owner(hook: Any) -> str:
-    owner = getattr(hook, "__module__", None) or getattr(type(hook), "__module__", "")
-    return owner if isinstance(owner, str) else ""
 
 
 def _where(module: Any) -> tuple[Any, str | None, tuple[str, ...]]:

@@ -109,8 +109,9 @@ class Detached:
 
     modules: dict[str, Any] = field(default_factory=dict)  # name -> module, import order
     loggers: dict[str, Any] = field(default_factory=dict)
-    meta_path: list[Any] = field(default_factory=list)
-    path_hooks: list[Any] = field(default_factory=list)
+    #: (where it stood, the hook): put back at its place.
+    meta_path: list[tuple[int, Any]] = field(default_factory=list)
+    path_hooks: list[tuple[int, Any]] = field(default_factory=list)
 
 
 _ready: _Ready | None = None
@@ -356,8 +357,8 @@ def detach() -> Detached:
         clear = getattr(manager, "_clear_cache", None)
         if clear is not None:
             clear()
-    detached.meta_path = [h for h in sys.meta_path if _owner_top(h) in tops]
-    detached.path_hooks = [h for h in sys.path_hooks if _owner_top(h) in tops]
+    detached.meta_path = [(i, h) for i, h in enumerate(sys.meta_path) if owner_top(h) in tops]
+    detached.path_hooks = [(i, h) for i, h in enumerate(sys.path_hooks) if owner_top(h) in tops]
     _forget_hooks(tops)
     return detached
 
@@ -371,9 +372,13 @@ def attach(detached: Detached) -> None:
         clear = getattr(manager, "_clear_cache", None)
         if clear is not None:
             clear()
-    sys.meta_path.extend(h for h in detached.meta_path if h not in sys.meta_path)
-    sys.path_hooks.extend(h for h in detached.path_hooks if h not in sys.path_hooks)
-    sys.path_importer_cache.clear()
+    pairs = ((sys.meta_path, detached.meta_path), (sys.path_hooks, detached.path_hooks))
+    for hooks, taken in pairs:
+        for index, hook in taken:
+            if hook not in hooks:
+                hooks.insert(index, hook)
+    if detached.path_hooks:  # the finders cached per folder were made without them
+        sys.path_importer_cache.clear()
 
 
 def _forget_loggers(families: set[str]) -> None:
@@ -432,7 +437,7 @@ def _restore(ready: _Ready) -> None:
     for hook in list(sys.meta_path):  # hooks added since ready by what stays are kept
         if hook in ready.meta_path or getattr(hook, "keep_across_boundary", False):
             continue
-        if _owner_top(hook) in HARNESS:
+        if owner_top(hook) in HARNESS:
             sys.meta_path.remove(hook)  # pytest's assertion rewriter of a finished session
     if warnings.filters != ready.filters:
         warnings.filters[:] = ready.filters  # type: ignore[index]
@@ -451,7 +456,7 @@ def _restore(ready: _Ready) -> None:
                     signal.signal(number, handler)
 
 
-def _owner_top(hook: Any) -> str:
+def owner_top(hook: Any) -> str:
     owner = getattr(hook, "__module__", None) or getattr(type(hook), "__module__", "")
     return owner.partition(".")[0] if isinstance(owner, str) else ""
 

@@ -19,7 +19,7 @@ import pytest
 
 from cpq.rank import ahead, boundary, importenv
 
-NAMES = ("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom")
+NAMES = ("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook")
 
 
 @pytest.fixture
@@ -40,6 +40,10 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         "import threading\nstop = threading.Event()\n"
         "threading.Thread(target=stop.wait, daemon=True).start()\n"
     )
+    (tmp_path / "ahook.py").write_text(
+        "import sys\nclass Hook:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        return None\nsys.meta_path.insert(0, Hook())\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("APROJ_MODE", raising=False)
     monkeypatch.delenv(ahead.ENV, raising=False)
@@ -57,6 +61,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     ahead._fate.clear()
     for name in NAMES:
         sys.modules.pop(name, None)
+    sys.meta_path[:] = [h for h in sys.meta_path if type(h).__module__ != "ahook"]
     importenv.uninstall()
     boundary._ready, boundary._settled_len = saved
 
@@ -215,3 +220,13 @@ def test_off_when_the_broker_says_so(project: Path, monkeypatch: pytest.MonkeyPa
     crossed = boundary.cross("test")
     ahead.learn(crossed, list(sys.path), os.getcwd(), dict(os.environ))
     assert not ahead.pending()
+
+
+def test_an_import_hook_goes_and_comes_back_with_its_module(project: Path) -> None:
+    import ahook  # noqa: F401
+
+    _session_ends()
+    assert not [h for h in sys.meta_path if type(h).__module__ == "ahook"]  # out of sight
+    import ahook as again
+
+    assert isinstance(sys.meta_path[0], again.Hook)  # where its import put it
