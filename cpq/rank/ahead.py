@@ -80,7 +80,9 @@ class Part:
     order: int
     tops: set[str] = field(default_factory=set)
     reads: dict[str, str | None] = field(default_factory=dict)
-    filters: list[Any] = field(default_factory=list)  # what its imports put in front
+    #: The warning filters its imports added: put in front (or moved there), appended.
+    front: list[Any] = field(default_factory=list)
+    back: list[Any] = field(default_factory=list)
     switches: dict[str, Any] = field(default_factory=dict)  # torch's, as its imports set them
     detached: boundary.Detached = field(default_factory=boundary.Detached)
     #: top-level name -> (its spec, the origin and search locations a fresh import must find)
@@ -180,8 +182,6 @@ class _Saved:
             return "configured the root logger"
         if _cuda_initialized() and not self.cuda:
             return "initialised CUDA"
-        if warnings.filters[len(warnings.filters) - len(self.filters) :] != self.filters:
-            return "removed warning filters"
         return ""
 
     def put_back(self) -> None:
@@ -216,6 +216,8 @@ def warm() -> None:
         for family in _families(plan.modules):
             _step(family, parts)
         why = saved.changed(plan)
+    except _Refused as refusal:
+        why = str(refusal)
     except BaseException as exc:  # an import's failure refuses the plan, never the rank
         why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     detached = boundary.detach()  # what the imports loaded leaves sys.modules, whatever came
@@ -270,10 +272,42 @@ def _step(family: list[str], parts: list[Part]) -> None:
     part.tops |= {name.partition(".")[0] for name in set(sys.modules) - before} | {top}
     for name, value in reads.items():
         part.reads.setdefault(name, value)
-    part.filters[:0] = warnings.filters[: len(warnings.filters) - len(filters)]
+    delta = _filter_delta(filters, list(warnings.filters))
+    if delta is None:
+        raise _Refused("changed the warning filters other than by adding to them")
+    part.front[:0] = delta[0]
+    part.back += delta[1]
     part.switches.update(
         {n: v for n, v in carryover.read_switches().items() if switches.get(n) != v}
     )
+
+
+class _Refused(Exception):
+    """The imports did what cannot be replayed (the message says what)."""
+
+
+def _filter_delta(old: list[Any], new: list[Any]) -> tuple[list[Any], list[Any]] | None:
+    """``(put in front, appended)`` such that ``warnings.filterwarnings`` calls adding them
+    turn ``old`` into ``new`` (a filter added again moves to the front, as ``warnings``
+    does); None when no such calls do (a filter removed, the list reset)."""
+    for k in range(len(new) + 1):
+        front = new[:k]
+        kept = [f for f in old if f not in front]
+        rest = new[k:]
+        if rest[: len(kept)] == kept and all(f not in old for f in rest[len(kept) :]):
+            return front, rest[len(kept) :]
+    return None
+
+
+def _replay_filters(front: list[Any], back: list[Any]) -> None:
+    """Add the filters a part's imports added, as their ``filterwarnings`` calls would now."""
+    filters = list(warnings.filters)
+    for item in reversed(front):
+        if item in filters:
+            filters.remove(item)
+        filters.insert(0, item)
+    filters += [item for item in back if item not in filters]
+    _set_filters(filters)
 
 
 def _share(detached: boundary.Detached, tops: set[str]) -> boundary.Detached:
@@ -370,8 +404,8 @@ def _hand_over(part: Part) -> None:
     if not _parts and _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     boundary.attach(part.detached)
-    if part.filters:
-        _set_filters(part.filters + list(warnings.filters))
+    if part.front or part.back:
+        _replay_filters(part.front, part.back)
     carryover.put_switches(part.switches)
     importenv.adopt(part.reads)
     _fate["taken over"] = int(_fate.get("taken over", 0)) + len(part.detached.modules)

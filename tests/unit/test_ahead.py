@@ -230,3 +230,18 @@ def test_an_import_hook_goes_and_comes_back_with_its_module(project: Path) -> No
     import ahook as again
 
     assert isinstance(sys.meta_path[0], again.Hook)  # where its import put it
+
+
+def test_the_filters_imports_add_are_replayed_as_their_calls_would_add_them() -> None:
+    a, b, c, x, y = ("a",), ("b",), ("c",), ("x",), ("y",)
+    assert ahead._filter_delta([a, b, c], [b, a, c]) == ([b], [])  # added again: moved
+    assert ahead._filter_delta([a, b, c], [x, a, b, c, y]) == ([x], [y])  # append=True
+    assert ahead._filter_delta([a, b, c], [a, c]) is None  # one removed: not replayable
+    assert ahead._filter_delta([a, b], []) is None  # resetwarnings()
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        for item in ("c", "b", "a"):
+            warnings.filterwarnings("ignore", message=item)
+        before = list(warnings.filters)
+        ahead._replay_filters([before[1]], [])  # "b" moved to the front
+        assert [f[1].pattern for f in warnings.filters] == ["b", "a", "c"]
