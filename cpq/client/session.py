@@ -296,6 +296,10 @@ class CpqSession:
         notices = _Notices(self.config, test_id)
         result: TaskResult = self.client.wait(future, notices.say)
         notices.done()
+        # The summary's wait for groups is the session's: "waiting for a ws2 group" said
+        # here must show there (a newcomer's trial read "0.0s waiting" after it).
+        self.stats.spawn_wait_s += result.spawn_wait_s or 0.0
+        self.stats.groups.update(result.groups or ([result.group_id] if result.group_id else []))
         return result
 
     def close(self) -> None:

@@ -95,3 +95,24 @@ def test_an_opening_that_cannot_serve_the_test_is_dropped(
     _opened(config, outcome, error)
     assert opening.wait(config, session, key, "t.py::first", 2, None) == ""  # type: ignore[arg-type]
     assert config.stash[opening._KEY] is None
+
+
+def test_the_openings_wait_for_a_group_is_the_sessions_in_its_summary() -> None:
+    """A newcomer's trial read "waiting for a ws2/auto group: 1 starting" during a cold
+    session, then "0.0s waiting for groups to start" in its summary: the opening waited."""
+    from concurrent.futures import Future
+
+    from cpq.client.session import CpqSession, Stats
+    from cpq.records import TaskResult
+
+    class Client:
+        def wait(self, future: Future[TaskResult], say: object) -> TaskResult:
+            return future.result()
+
+    session = object.__new__(CpqSession)
+    session.config, session._client, session.stats = None, Client(), Stats()  # type: ignore[assignment]
+    future: Future[TaskResult] = Future()
+    future.set_result(TaskResult("t1", "passed", group_id="g1", groups=["g1"], spawn_wait_s=2.5))
+    session.wait(future, "t.py::first")
+    assert session.stats.spawn_wait_s == 2.5 and session.stats.groups == {"g1"}
+    assert session.stats.tasks == 0  # the tests' tasks only: it ran none
