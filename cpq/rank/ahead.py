@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,9 +195,10 @@ class _Saved:
         carryover.put_switches({n: v for n, v in self.switches.items() if now.get(n) != v})
 
 
-def warm() -> None:
+def warm(task_waits: Callable[[], bool] = lambda: False) -> None:
     """Make the planned imports and keep them aside (see the module docstring). Run by the
-    main thread while the rank waits for work; never raises."""
+    main thread while the rank waits for work; never raises. A task that arrives meanwhile
+    (``task_waits()``) ends it after the family being imported: what is done is kept."""
     global _plan
     plan, _plan = _plan, None
     drop("not imported by the session that just ended")  # the runtime did, unless a test
@@ -214,11 +216,13 @@ def warm() -> None:
         os.chdir(plan.cwd)
         sys.path[:] = plan.path
         for family in _families(plan.modules):
+            if task_waits():
+                break
             _step(family, parts)
         why = saved.changed(plan)
     except _Refused as refusal:
         why = str(refusal)
-    except BaseException as exc:  # an import's failure refuses the plan, never the rank
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plan, never the rank
         why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     detached = boundary.detach()  # what the imports loaded leaves sys.modules, whatever came
     saved.put_back()
@@ -266,9 +270,12 @@ def _step(family: list[str], parts: list[Part]) -> None:
                 continue
             try:
                 importlib.import_module(name)
-            except ImportError:  # a submodule loaded under a name of its own: skip it
-                if "." not in name:
-                    raise
+            except Exception as exc:  # this family only: what loaded before it is whole
+                if isinstance(exc, ImportError) and "." in name:
+                    continue  # a submodule loaded under a name of its own: skip it
+                refused[top] = f"importing {name} failed: {type(exc).__name__}: {exc}"[:300]
+                log.info("not importing %s ahead of sessions: %s", top, refused[top])
+                break
     part.tops |= {name.partition(".")[0] for name in set(sys.modules) - before} | {top}
     for name, value in reads.items():
         part.reads.setdefault(name, value)

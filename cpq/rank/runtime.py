@@ -419,8 +419,9 @@ def _after_caller(
     ended = items.session_ended or task.target == script.TARGET
     items.session_ended = False
     if ended:  # what it imported goes first: the memory check then sees it gone too
-        path, cwd = list(sys.path), os.getcwd()
-        crossed = _forget_modules("launch" if task.target == script.TARGET else "session")
+        launch = task.target == script.TARGET
+        path, cwd = list(script.last_path if launch else sys.path), os.getcwd()
+        crossed = _forget_modules("launch" if launch else "session")
         ahead.drop("not imported by the session that just ended")  # before the memory check
         unfit = carried.unfit_after_caller()
         if not unfit and crossed is not None:
@@ -572,7 +573,7 @@ def main() -> None:
             pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
         if ahead.pending() and not done.unfit:  # idle now: the watchdog holds the socket
             link.give()
-            ahead.warm()
+            ahead.warm(task_waits=lambda: bool(link.tasks))
             link.take()
     log.info("shutting down")
     hard_exit(0)

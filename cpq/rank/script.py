@@ -48,6 +48,8 @@ TARGET = "cpq.rank.script:run_script"
 #: Why this rank must not serve another launch ("" when it may): read after the task.
 leftover = ""
 
+#: ``sys.path`` as the last launch left it (its script's folder first).
+last_path: list[str] = []
 #: ``sys.path`` as the interpreter built it for this rank, less what a new worker would
 #: have otherwise: the folder the rank started in (``-m``) and ``PYTHONPATH``'s entries.
 _interpreter_path: list[str] = []
@@ -121,6 +123,7 @@ def run_script(
             sys.stderr.flush()
             code = 1
         finally:
+            last_path[:] = sys.path  # where its imports were found (cpq.rank.ahead)
             sys.argv = saved_argv
             sys.path[:] = saved_path
     ended = time.time()  # when a worker process would have exited (the failure's time)

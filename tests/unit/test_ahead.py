@@ -19,7 +19,7 @@ import pytest
 
 from cpq.rank import ahead, boundary, importenv
 
-NAMES = ("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook")
+NAMES = ("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook", "abroken")
 
 
 @pytest.fixture
@@ -40,6 +40,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         "import threading\nstop = threading.Event()\n"
         "threading.Thread(target=stop.wait, daemon=True).start()\n"
     )
+    (tmp_path / "abroken.py").write_text(f"open({str(tmp_path / 'needed.txt')!r}).read()\n")
     (tmp_path / "ahook.py").write_text(
         "import sys\nclass Hook:\n    def find_spec(self, name, path=None, target=None):\n"
         "        return None\nsys.meta_path.insert(0, Hook())\n"
@@ -245,3 +246,28 @@ def test_the_filters_imports_add_are_replayed_as_their_calls_would_add_them() ->
         before = list(warnings.filters)
         ahead._replay_filters([before[1]], [])  # "b" moved to the front
         assert [f[1].pattern for f in warnings.filters] == ["b", "a", "c"]
+
+
+def test_a_family_whose_import_fails_ahead_is_left_to_the_session_alone(project: Path) -> None:
+    (project / "needed.txt").write_text("here\n")
+    importlib.import_module("abroken")  # the session imported it
+    importlib.import_module("aproj")
+    (project / "needed.txt").unlink()  # gone before the warm-up: its import fails there
+    _session_ends()
+    assert "FileNotFoundError" in ahead.refused["abroken"]
+    assert ahead.held() == ["aproj"] and "abroken" not in sys.modules  # the rest is kept
+
+
+def test_a_task_that_arrives_ends_the_warm_up_between_families(project: Path) -> None:
+    importlib.import_module("aproj")
+    importlib.import_module("aquiet")
+    crossed = boundary.cross("test")
+    ahead.learn(crossed, list(sys.path), os.getcwd(), dict(os.environ))
+    asked: list[int] = []
+
+    def task_waits() -> bool:  # a task arrives while the first family imports
+        asked.append(1)
+        return len(asked) > 1
+
+    ahead.warm(task_waits)
+    assert ahead.held() == ["aproj"] and "aquiet" not in sys.modules
