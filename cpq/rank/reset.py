@@ -78,8 +78,6 @@ def _apply_environ(baseline: Baseline, caller_env: dict[str, str] | None) -> Non
     """
     if baseline.applied == caller_env and not baseline.environ_changed():
         return
-    # Variables a library sets on itself while being imported by a task must survive,
-    # or the library breaks in the next task; CPQ_KEEP_ENV names them (TE's by default).
     set_environ(environ_for(baseline, caller_env))
     baseline.remember(caller_env)
 
