@@ -38,11 +38,14 @@ from aheadpkg import sub  # noqa: E402
 """
 
 #: Imported by a test body, not the conftest: pytest keeps no filter set while conftest files
-#: import (its warning capture wraps that), but one set by a test's import holds in the test.
+#: import (its warning capture wraps that), but one set by a test's import holds in the test;
+#: what the import prints and warns is the test's.
 QUIET = """
 import warnings
 
 warnings.filterwarnings("ignore", message="aheadquiet is quiet")
+print("aheadquiet says hello")
+warnings.warn("aheadquiet was imported", UserWarning)
 """
 
 TESTS = """
@@ -70,10 +73,14 @@ def test_the_logger_is_the_modules_own():
     assert logging.getLogger("aheadpkg") is aheadpkg.log
 
 
-def test_the_import_time_warning_filter_holds():
-    import aheadquiet  # noqa: F401
+def test_what_the_import_set_printed_and_warned_is_this_tests(capsys):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import aheadquiet  # noqa: F401
 
-    assert [f for f in warnings.filters if f[1] and f[1].pattern == "aheadquiet is quiet"]
+        assert [f for f in warnings.filters if f[1] and f[1].pattern == "aheadquiet is quiet"]
+    assert [str(w.message) for w in caught] == ["aheadquiet was imported"]
+    assert capsys.readouterr().out == "aheadquiet says hello\\n"
 """
 
 

@@ -22,7 +22,9 @@ imported"). So when a session ends and the rank is fit to serve another, this mo
    moment a fresh process would execute it: a finder first in ``sys.meta_path`` checks that
    a fresh import would load the same thing — the same file found for the name on today's
    path, every file unchanged since, every variable the imports read equal in today's
-   environment, none of its families loaded meanwhile — then puts the part back (and first
+   environment, none of its families loaded meanwhile — says again what the imports printed
+   and warned (a warning the session makes an error raises, loading nothing, as the fresh
+   import would), then puts the part back (and first
    the parts its modules refer to, as the boundary's rule has it), replays its filters and
    switches where the import runs now (inside a test's warning capture, say), and binds the
    variables it read, as the session's own import would have. Any difference: every part
@@ -37,9 +39,11 @@ why. ``CPQ_IMPORT_AHEAD=0`` (the broker's environment) turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
+import io
 import logging
 import os
 import signal
@@ -89,6 +93,10 @@ class Part:
     #: top-level name -> (its spec, the origin and search locations a fresh import must find)
     where: dict[str, tuple[Any, str | None, tuple[str, ...]]] = field(default_factory=dict)
     stamps: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+    #: What its imports printed and warned, said again where a fresh import would say it.
+    stdout: str = ""
+    stderr: str = ""
+    warned: list[Any] = field(default_factory=list)
 
 
 _plan: Plan | None = None
@@ -263,8 +271,15 @@ def _step(family: list[str], parts: list[Part]) -> None:
     if part is None:
         part = Part(order=len(parts))
         parts.append(part)
-    before, filters, switches = set(sys.modules), list(warnings.filters), carryover.read_switches()
-    with importenv.diverted() as reads:
+    before, switches = set(sys.modules), carryover.read_switches()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        reads = stack.enter_context(importenv.diverted())
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        warnings.simplefilter("always")  # every warning, said again under the session's
+        filters = list(warnings.filters)
         for name in family:
             if name in sys.modules:
                 continue
@@ -276,10 +291,13 @@ def _step(family: list[str], parts: list[Part]) -> None:
                 refused[top] = f"importing {name} failed: {type(exc).__name__}: {exc}"[:300]
                 log.info("not importing %s ahead of sessions: %s", top, refused[top])
                 break
+        delta = _filter_delta(filters, list(warnings.filters))
     part.tops |= {name.partition(".")[0] for name in set(sys.modules) - before} | {top}
     for name, value in reads.items():
         part.reads.setdefault(name, value)
-    delta = _filter_delta(filters, list(warnings.filters))
+    part.stdout += out.getvalue()
+    part.stderr += err.getvalue()
+    part.warned += caught or []
     if delta is None:
         raise _Refused("changed the warning filters other than by adding to them")
     part.front[:0] = delta[0]
@@ -367,7 +385,14 @@ class _Loader(importlib.abc.Loader):
         part = _parts.get(spec.name)
         if part is None:  # dropped between find and load: a fresh import
             return None
-        for each in _needed(part):
+        needed = _needed(part)
+        try:  # first what their imports said: a warning this session makes an error raises
+            for each in needed:
+                _say(each)
+        except BaseException:  # as the fresh import would, loading nothing
+            drop("an import-time warning is an error in this session")
+            raise
+        for each in needed:
             _hand_over(each)
         return part.detached.modules[spec.name]
 
@@ -403,6 +428,27 @@ def _why_not(part: Part) -> str:
         if _resolve(top) != (origin, locations):
             return f"{top} resolves elsewhere on this session's path"
     return ""
+
+
+def _say(part: Part) -> None:
+    """Print and warn what ``part``'s imports did, under this session's filters."""
+    if part.stdout:
+        sys.stdout.write(part.stdout)
+    if part.stderr:
+        sys.stderr.write(part.stderr)
+    by_file = {getattr(m, "__file__", None): (n, m) for n, m in part.detached.modules.items()}
+    for said in part.warned:
+        name, module = by_file.get(said.filename, (None, None))
+        registry = None if module is None else module.__dict__.setdefault("__warningregistry__", {})
+        warnings.warn_explicit(
+            said.message,
+            said.category,
+            said.filename,
+            said.lineno,
+            module=name,
+            registry=registry,
+            source=said.source,
+        )
 
 
 def _hand_over(part: Part) -> None:

@@ -19,7 +19,10 @@ import pytest
 
 from cpq.rank import ahead, boundary, importenv
 
-NAMES = ("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook", "abroken")
+NAMES = (
+    *("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook", "abroken"),
+    "asay",
+)
 
 
 @pytest.fixture
@@ -39,6 +42,10 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     (tmp_path / "athread.py").write_text(
         "import threading\nstop = threading.Event()\n"
         "threading.Thread(target=stop.wait, daemon=True).start()\n"
+    )
+    (tmp_path / "asay.py").write_text(
+        "import warnings\nprint('asay says hello')\n"
+        "warnings.warn('asay is old', DeprecationWarning)\n"
     )
     (tmp_path / "abroken.py").write_text(f"open({str(tmp_path / 'needed.txt')!r}).read()\n")
     (tmp_path / "ahook.py").write_text(
@@ -271,3 +278,35 @@ def test_a_task_that_arrives_ends_the_warm_up_between_families(project: Path) ->
 
     ahead.warm(task_waits)
     assert ahead.held() == ["aproj"] and "aquiet" not in sys.modules
+
+
+def test_what_an_import_printed_and_warned_is_said_where_a_fresh_import_says_it(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module("asay")
+    _session_ends()
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import asay  # noqa: F401
+    assert [str(w.message) for w in caught] == ["asay is old"]
+    assert caught[0].filename == str(project / "asay.py") and caught[0].lineno == 3
+    assert capsys.readouterr().out == "asay says hello\n"
+
+
+def test_an_import_time_warning_this_session_makes_an_error_fails_the_import(
+    project: Path,
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module("asay")
+    _session_ends()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # -W error: a fresh import raises
+        with pytest.raises(DeprecationWarning, match="asay is old"):
+            import asay
+        assert "asay" not in sys.modules and ahead.held() == []
+        with pytest.raises(DeprecationWarning):  # imported afresh: raises again
+            import asay  # noqa: F401
