@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpq.rank import boundary, carryover, importenv, items, reset
+from cpq.rank import boundary, carryover, freshness, importenv, items, reset
 
 log = logging.getLogger("cpq.rank")
 
@@ -244,7 +244,7 @@ def warm(task_waits: Callable[[], bool] = lambda: False) -> None:
         part.tops = {top for top in part.tops & tops if top in detached.modules}
         part.detached = _share(detached, part.tops)
         part.where = {top: _where(part.detached.modules[top]) for top in part.tops}
-        part.stamps = {path: _stamp(path) for path in _files(part.detached)}
+        part.stamps = {path: freshness.file_stamp(path) for path in _files(part.detached)}
         _parts.update(dict.fromkeys(part.tops, part))
     sys.meta_path.insert(0, _FINDER)
     log.info(
@@ -422,7 +422,7 @@ def _why_not(part: Part) -> str:
     if variable:
         return f"the imports read {variable}, which differs in this session"
     for path, stamp in part.stamps.items():
-        if _stamp(path) != stamp:
+        if freshness.file_stamp(path) != stamp:
             return f"{path} changed"
     for top, (_, origin, locations) in part.where.items():
         if _resolve(top) != (origin, locations):
@@ -509,14 +509,6 @@ def _files(detached: boundary.Detached) -> list[str]:
         if isinstance(path, str):
             files.append(path)
     return files
-
-
-def _stamp(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_mtime_ns, info.st_size
 
 
 def _set_filters(filters: list[Any]) -> None:

@@ -101,7 +101,7 @@ def cache_dirs() -> list[str]:
     return [os.path.realpath(d).rstrip(os.sep) + os.sep for d in dirs if d]
 
 
-def _stamp(path: str) -> tuple[int, int] | None:
+def file_stamp(path: str) -> tuple[int, int] | None:
     try:
         info = os.stat(path)
     except OSError:
@@ -116,7 +116,7 @@ class CodeWatch:
         self._library, sites = _library_dirs()
         self.files: dict[str, tuple[int, int]] = {}
         for directory in sites:
-            stamp = _stamp(directory)
+            stamp = file_stamp(directory)
             if stamp is not None:
                 self.files[directory] = stamp
         self._seen: set[str] = set()
@@ -147,7 +147,7 @@ class CodeWatch:
                     log.info("not watching generated code under %s", ", ".join(unwatched))
             if real.startswith(unwatched):
                 continue
-            stamp = _stamp(real)
+            stamp = file_stamp(real)
             if stamp is None:  # a module without a file on disk (zip import, frozen)
                 continue
             # Changed while being imported? Then what was loaded is unknown: stale.
@@ -168,7 +168,7 @@ class CodeWatch:
     def changed(self) -> str:
         """The first watched file that changed since it was loaded ("" when none did)."""
         for path, stamp in self.files.items():
-            if _stamp(path) != stamp:
+            if file_stamp(path) != stamp:
                 return path
         return ""
 
