@@ -29,6 +29,7 @@ import pytest
 from cpq import paths, protocol
 from cpq.client import (
     confirm,
+    early_warm,
     items,
     launches,
     opening,
@@ -124,7 +125,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # --------------------------------------------------------------------------- warm-up
 
-WARM_CACHE_KEY = "cpq/warm-specs"
+WARM_CACHE_KEY = early_warm.WARM_CACHE_KEY
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Ask for the last session's groups before the conftests import (``early_warm``)."""
+    early_warm.send(early_config)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -132,7 +139,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     Collecting a suite that imports torch takes seconds; starting the groups the last run
     needed (remembered in pytest's cache) overlaps the spawn with that. The warm-up after
-    collection then corrects for what this run actually selected.
+    collection then corrects for what this run actually selected. The same request went out
+    before the conftests imported (``early_warm``) where it could; the broker starts a
+    group once, so asking again only covers a spec whose start variables a conftest set.
     """
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]
@@ -141,23 +150,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return  # nothing will run, or a shard: the last run's groups may be another share's
     if cache is None or not cpq_session.broker_at_hand():
         return
-    recorded = cache.get(WARM_CACHE_KEY, None)
-    if not isinstance(recorded, list) or not recorded:
-        return
-    specs: list[PoolSpec] = []
-    counts: list[int] = []
-    for entry in recorded:
-        try:
-            spec = protocol.from_wire(PoolSpec, entry["spec"])
-            count = int(entry["count"])
-        except (protocol.ProtocolError, KeyError, TypeError, ValueError):
-            return  # a cache from another cpq version: ignore it
-        here = cpq_session.spec(1, None)  # this shell's interpreter and start variables
-        cached_env = dict(spec.env)
-        same_env = all(cached_env.get(k) == v for k, v in here.env)
-        if spec.roots == here.roots and spec.python == here.python and same_env:
-            specs.append(spec)
-            counts.append(count)
+    here = cpq_session.spec(1, None)  # this shell's interpreter and start variables
+    specs, counts = early_warm.cached_specs(cache.get(WARM_CACHE_KEY, None), here)
     if specs:
         cpq_session.warm(specs, counts)
 

@@ -78,30 +78,58 @@ class Stats:
         self.spawn_wait_s += float(data.get("spawn_wait_s", 0.0))
 
 
+def _endpoint_given(config: pytest.Config) -> str | None:
+    """The broker endpoint the user named: option, ``CPQ_ENDPOINT``, ini; None: none."""
+    return (
+        config.getoption("cpq_endpoint")
+        or os.environ.get(paths.ENDPOINT_VAR)
+        or config.getini("cpq_endpoint")
+        or None
+    )
+
+
+def endpoint_of(config: pytest.Config) -> str:
+    """The broker endpoint this session talks to (the default one when none is named)."""
+    return _endpoint_given(config) or paths.default_endpoint()
+
+
+def autostart_of(config: pytest.Config) -> bool:
+    """Whether this session may start a background broker (option, ``CPQ_AUTOSTART``, ini)."""
+    env_autostart = os.environ.get("CPQ_AUTOSTART")
+    return not config.getoption("no_cpq_autostart") and (
+        env_autostart != "0" if env_autostart is not None else bool(config.getini("cpq_autostart"))
+    )
+
+
+def roots_of(config: pytest.Config) -> list[str]:
+    """A spec's import roots for this session: rootdir and ``PYTHONPATH``, as ``cpq submit``
+    run from the rootdir would send, so the shell and the test suite share warm groups."""
+    roots = [str(config.rootpath)]
+    roots += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return list(dict.fromkeys(roots))
+
+
+def spec_of(config: pytest.Config, world_size: int) -> PoolSpec:
+    """The spec this process would ask for at ``world_size`` with its variables now."""
+    from cpq.specs import make_spec
+
+    return make_spec(world_size, None, roots_of(config))
+
+
 class CpqSession:
     """This pytest process's connection to the broker (opened on first need)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.session_id = session_id(config)
-        self.endpoint = (
-            config.getoption("cpq_endpoint")
-            or os.environ.get(paths.ENDPOINT_VAR)
-            or config.getini("cpq_endpoint")
-            or None
-        )
+        self.endpoint = _endpoint_given(config)
         timeout = (
             config.getoption("cpq_timeout")
             or os.environ.get(paths.TIMEOUT_VAR)
             or config.getini("cpq_timeout")
         )
         self.timeout = float(timeout) if timeout else paths.DEFAULT_TIMEOUT_S
-        env_autostart = os.environ.get("CPQ_AUTOSTART")
-        self.autostart = not config.getoption("no_cpq_autostart") and (
-            env_autostart != "0"
-            if env_autostart is not None
-            else bool(config.getini("cpq_autostart"))
-        )
+        self.autostart = autostart_of(config)
         self.retries = reruns.configured(config)
         self.debug_rank = pdb_relay.debug_rank(config)
         env_own = os.environ.get("CPQ_OWN_GROUPS")
@@ -190,11 +218,7 @@ class CpqSession:
         """The spec's import roots: rootdir and PYTHONPATH, as ``cpq submit`` run from the
         rootdir would send, so the shell and the test suite share warm groups."""
         if self._roots is None:
-            roots = [str(self.config.rootpath)]
-            roots += [
-                os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
-            ]
-            self._roots = list(dict.fromkeys(roots))
+            self._roots = roots_of(self.config)
         return self._roots
 
     @staticmethod
