@@ -100,3 +100,16 @@ def test_without_a_cache_nothing_is_asked_for_early(pytester: pytest.Pytester, c
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--cpq-world-size", "1")
     result.assert_outcomes(passed=2)
     assert not (pytester.path / ".pytest_cache").exists()
+
+
+def test_pytest_help_starts_no_broker(pytester: pytest.Pytester, cold: str) -> None:
+    """A cache that names a group is no reason to start a broker for a command that runs no
+    test."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_ranks=TESTS)
+    pytester.makeini("[pytest]\n")
+    pytester.runpytest_subprocess("--cpq-world-size", "1").assert_outcomes(passed=2)
+    stop(cold)
+    for command in (["--help"], ["--fixtures"], ["--collect-only", "--cpq-world-size", "1"]):
+        assert pytester.runpytest_subprocess(*command).ret == 0
+        assert not broker_alive(cold), command

@@ -15,7 +15,8 @@ are this process's and whose start variables agree with every start variable the
 now (a conftest's ``pytest_configure`` may add more, as Megatron-LM's sets ``NCCL_*`` ones:
 the cache holds them, since it was written after configure). A spec that turns out not to
 be this session's stays an idle group the placement evicts when room is needed. It sends
-nothing where the session-start warm-up would not: ``--collect-only``, a shard, under a
+nothing where the session-start warm-up would not, nor where no test runs: under
+``--collect-only``, ``--help``, ``--fixtures`` or ``--markers``, in a shard, under a
 launcher, in an xdist worker (its controller asked already), without the cache plugin, with
 an empty or unreadable cache. Everything here is best effort: an error is swallowed and the
 session-start warm-up and the tests go on as before (docs/design.md, "The calling
@@ -72,8 +73,9 @@ def send(config: pytest.Config) -> bool:
         specs, counts = cached_specs(recorded, here)
         if not specs:
             return False
-        endpoint = client_session.endpoint_of(config)
-        if client_session.autostart_of(config) and endpoint.startswith("ipc://"):
+        options = config.known_args_namespace  # config.option holds defaults until configure
+        endpoint = client_session.endpoint_of(config, options)
+        if client_session.autostart_of(config, options) and endpoint.startswith("ipc://"):
             from cpq.client.autostart import ensure_broker
 
             ensure_broker(endpoint)
@@ -92,13 +94,32 @@ def send(config: pytest.Config) -> bool:
         return False
 
 
+#: pytest's options under which a session runs no test (their ``dest`` names).
+_RUNS_NO_TEST = (
+    "collectonly",
+    "help",
+    "version",
+    "showfixtures",
+    "show_fixtures_per_test",
+    "markers",
+)
+
+
+def runs_no_test(options: Any) -> bool:
+    """Whether pytest's options (``config.option``, or the namespace parsed before the
+    conftests) ask for a run that runs no test: no group is worth starting for it."""
+    return any(getattr(options, name, False) for name in _RUNS_NO_TEST)
+
+
 def _may_send(config: pytest.Config) -> bool:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return False  # the controller asked for the session
     if "RANK" in os.environ and ("TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ):
         return False  # under a launcher cpq steps aside
-    if config.pluginmanager.is_blocked("cacheprovider") or config.getoption("collectonly"):
+    if config.pluginmanager.is_blocked("cacheprovider"):
         return False
+    if runs_no_test(config.known_args_namespace):
+        return False  # no broker started for `pytest --help`
     return not _is_shard(config)
 
 
@@ -108,7 +129,7 @@ def _is_shard(config: pytest.Config) -> bool:
     plugin says what is wrong with it at configure)."""
     from cpq.fanout.shard import ShardError, parse_shard, shard_from_env
 
-    option = config.getoption("cpq_shard")
+    option = getattr(config.known_args_namespace, "cpq_shard", None)
     try:
         if option is not None:
             return option.strip().lower() != "off" and parse_shard(option) is not None
@@ -120,7 +141,7 @@ def _is_shard(config: pytest.Config) -> bool:
 def _read_cache(config: pytest.Config) -> Any:
     """The cache entry, read as the cache plugin will at configure (same directory rules:
     ``cache_dir`` under the rootdir, ``--cache-clear`` honoured by that plugin first)."""
-    if config.getoption("cacheclear"):
+    if getattr(config.known_args_namespace, "cacheclear", False):
         return None
     from _pytest.cacheprovider import Cache
 

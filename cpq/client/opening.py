@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from cpq.client import coverage_relay, items
+from cpq.client import coverage_relay, early_warm, items
 from cpq.client.items import Unusable
 from cpq.client.session import CpqSession
 from cpq.protocol import TaskResult
@@ -80,7 +80,7 @@ def wanted(config: pytest.Config, session: CpqSession) -> bool:
     """Whether this pytest process opens its session on the ranks ahead (module docstring)."""
     if session.world_size is None or session.under_launcher or session.broker_gone:
         return False
-    if config.option.collectonly or config.pluginmanager.has_plugin("dsession"):
+    if early_warm.runs_no_test(config.option) or config.pluginmanager.has_plugin("dsession"):
         return False
     try:
         items.check_pytest()

@@ -146,7 +146,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]
     pdb_relay.wrap_pdb_invoke(session.config)  # after pytest's --pdb plugin is configured
-    if session.config.option.collectonly or fanout.deselects(session.config):
+    if early_warm.runs_no_test(session.config.option) or fanout.deselects(session.config):
         return  # nothing will run, or a shard: the last run's groups may be another share's
     if cache is None or not cpq_session.broker_at_hand():
         return
@@ -195,7 +195,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     the rest of collection (a suite importing torch and its helpers collects for seconds).
     A session whose cache already warmed the spec sends nothing; the warm-up after
     collection asks for as many groups as the selection can use."""
-    if item.config.option.collectonly or _may_deselect(item.config):
+    if early_warm.runs_no_test(item.config.option) or _may_deselect(item.config):
         return  # the warm-up after collection knows what was selected
     cpq_session = item.config.stash.get(SESSION_KEY, None)
     try:
@@ -257,7 +257,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the groups the selected tests need while the first tests are being set up."""
-    if session.config.option.collectonly:
+    if early_warm.runs_no_test(session.config.option):
         return  # nothing will run: start nothing
     cpq_session = session.config.stash[SESSION_KEY]
     cpq_session.rng_at_start.observe()  # numpy, imported by the test modules (cpq.rng)

@@ -78,25 +78,29 @@ class Stats:
         self.spawn_wait_s += float(data.get("spawn_wait_s", 0.0))
 
 
-def _endpoint_given(config: pytest.Config) -> str | None:
-    """The broker endpoint the user named: option, ``CPQ_ENDPOINT``, ini; None: none."""
+def _endpoint_given(config: pytest.Config, options: Any = None) -> str | None:
+    """The broker endpoint the user named: option, ``CPQ_ENDPOINT``, ini; None: none.
+    ``options``: where the options are read (``config.option``; before the conftests load,
+    ``config.known_args_namespace``)."""
+    options = config.option if options is None else options
     return (
-        config.getoption("cpq_endpoint")
+        getattr(options, "cpq_endpoint", None)
         or os.environ.get(paths.ENDPOINT_VAR)
         or config.getini("cpq_endpoint")
         or None
     )
 
 
-def endpoint_of(config: pytest.Config) -> str:
+def endpoint_of(config: pytest.Config, options: Any = None) -> str:
     """The broker endpoint this session talks to (the default one when none is named)."""
-    return _endpoint_given(config) or paths.default_endpoint()
+    return _endpoint_given(config, options) or paths.default_endpoint()
 
 
-def autostart_of(config: pytest.Config) -> bool:
+def autostart_of(config: pytest.Config, options: Any = None) -> bool:
     """Whether this session may start a background broker (option, ``CPQ_AUTOSTART``, ini)."""
+    options = config.option if options is None else options
     env_autostart = os.environ.get("CPQ_AUTOSTART")
-    return not config.getoption("no_cpq_autostart") and (
+    return not getattr(options, "no_cpq_autostart", False) and (
         env_autostart != "0" if env_autostart is not None else bool(config.getini("cpq_autostart"))
     )
 
