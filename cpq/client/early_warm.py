@@ -17,10 +17,12 @@ the cache holds them, since it was written after configure). A spec that turns o
 be this session's stays an idle group the placement evicts when room is needed. It sends
 nothing where the session-start warm-up would not, nor where no test runs: under
 ``--collect-only``, ``--help``, ``--fixtures`` or ``--markers``, in a shard, under a
-launcher, in an xdist worker (its controller asked already), without the cache plugin, with
-an empty or unreadable cache. Everything here is best effort: an error is swallowed and the
-session-start warm-up and the tests go on as before (docs/design.md, "The calling
-process's floor").
+launcher, without the cache plugin, with an empty or unreadable cache. An xdist worker asks
+too (it cannot tell itself from a pytest run by a test under xdist, which inherits
+``PYTEST_XDIST_WORKER``): the same request as its controller's, and warming starts a spec's
+groups up to the count asked for, not once per request. Everything here is best effort: an
+error is swallowed and the session-start warm-up and the tests go on as before
+(docs/design.md, "The calling process's floor").
 """
 
 from __future__ import annotations
@@ -112,8 +114,6 @@ def runs_no_test(options: Any) -> bool:
 
 
 def _may_send(config: pytest.Config) -> bool:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return False  # the controller asked for the session
     if "RANK" in os.environ and ("TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ):
         return False  # under a launcher cpq steps aside
     if config.pluginmanager.is_blocked("cacheprovider"):
