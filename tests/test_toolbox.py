@@ -257,6 +257,39 @@ def test_a_thread_method_timeout_is_the_brokers_deadline(
     assert "the group was stopped" in out, out
 
 
+SPENT = """
+import os
+import time
+import pytest
+
+MARK = {mark!r}
+
+
+@pytest.mark.timeout(2)
+def test_times_out_then_runs_long():
+    if not os.path.exists(MARK):
+        open(MARK, "w").close()
+        time.sleep(30)  # pytest-timeout ends this attempt
+    time.sleep(3)  # past the timeout: the rerun runs untimed in a fresh run
+"""
+
+
+def test_a_rerun_after_a_timeout_runs_untimed_as_in_a_fresh_run(
+    pytester: pytest.Pytester, shared: str, tmp_path: Path
+) -> None:
+    """pytest-timeout times the whole protocol and cancels its timer at the first failure,
+    so rerunfailures' later attempts run untimed in a fresh run; a rank, where each attempt
+    is a protocol of its own, armed the timer again (a newcomer's trial: passed fresh,
+    failed under cpq)."""
+    flags = ("-p", "no:flaky", "-p", "no:randomly", "--reruns", "1", "-rA")
+    pytester.makepyfile(test_spent=SPENT.format(mark=str(tmp_path / "fresh")))
+    fresh_out = run(pytester, "-p", "no:cpq", *flags)
+    pytester.makepyfile(test_spent=SPENT.format(mark=str(tmp_path / "warm")))
+    out = run(pytester, "--cpq-world-size", "1", *flags)
+    assert "1 passed, 1 rerun" in fresh_out, fresh_out
+    assert "1 passed, 1 rerun" in out, out
+
+
 HANGING_FIXTURE = """
 import time
 import pytest

@@ -207,6 +207,7 @@ def prepare(
     }
     item.stash[RUN_KEY] = _Run(submit, debugger, kwargs, placement.world_size)
     item.stash[timeouts.ON_RANKS_KEY] = True  # pytest-timeout's timer is the ranks' deadline
+    timeouts.reset_spent(item)  # this protocol run's timer is not spent yet
     item.setup = functools.partial(_setup, item)  # type: ignore[method-assign]
     item.runtest = functools.partial(_call, item)  # type: ignore[method-assign]
     # skip, skipif and xfail are the ranks' to evaluate (a condition may read RANK or
@@ -230,6 +231,7 @@ def restore(item: pytest.Item) -> None:
         del item.stash[RUN_KEY]
     if timeouts.ON_RANKS_KEY in item.stash:
         del item.stash[timeouts.ON_RANKS_KEY]
+    timeouts.reset_spent(item)
 
 
 def _setup(item: pytest.Item) -> None:
@@ -241,6 +243,8 @@ def _setup(item: pytest.Item) -> None:
         kwargs = run.kwargs
         if reruns.rerun_may_follow(item):  # sent only then: an older rank reads no "rerun"
             kwargs = {**kwargs, "rerun": True}
+        if timeouts.spent(item):  # an attempt after a failure: pytest-timeout times none
+            kwargs = {**kwargs, "untimed": True}
         run.result = result = run.submit(kwargs)
         phases = _phases(item, run, result)
         if phases is not None and confirm.wanted(item.config, result, _failed(phases)):

@@ -48,6 +48,10 @@ RANKS_SLACK_S = 5.0
 #: Set while the item runs on the ranks (:mod:`cpq.client.items` sets it: it imports this
 #: module, never the other way round).
 ON_RANKS_KEY = pytest.StashKey[bool]()
+#: Set when cpq's timer of this protocol run was cancelled (pytest-timeout cancels it at
+#: the first failure, and at the protocol's end): a rerun's attempt after it is untimed, as
+#: in a fresh run (:data:`cpq.rank.timeouts.untimed`). Cleared when the protocol starts.
+SPENT_KEY = pytest.StashKey[bool]()
 #: pytest-timeout's failure message (``pytest_timeout.PYTEST_FAILURE_MESSAGE``).
 FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
 #: How much later than the test's timeout pytest-timeout's own timer fires: after the
@@ -84,10 +88,22 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     if TIMER_KEY not in item.stash:
         return None
     del item.stash[TIMER_KEY]
+    item.stash[SPENT_KEY] = True
     import pytest_timeout
 
     pytest_timeout.pytest_timeout_cancel_timer(item)  # the backstop's
     return True
+
+
+def spent(item: pytest.Item) -> bool:
+    """Whether this protocol run's timer was cancelled before the attempt about to be sent
+    (an earlier attempt failed): the ranks then arm none for it, as a fresh run arms none."""
+    return item.stash.get(SPENT_KEY, False)
+
+
+def reset_spent(item: pytest.Item) -> None:
+    if SPENT_KEY in item.stash:
+        del item.stash[SPENT_KEY]
 
 
 def remaining(item: pytest.Item) -> float | None:

@@ -14,25 +14,16 @@ ranks run pytest".
 
 * **Scopes.** Module, class, package and session fixtures live in this rank's session while
   its tests come; each item is torn down towards the caller's *next* test (``next``), as
-  pytest tears down towards ``nextitem``: a module's fixtures end with the caller's last test
-  of that module, session fixtures with its last test. A group that moves on to another
-  calling session first finishes the previous one (its errors go to the group's log).
-* **Collection** is the caller's own, once per calling session: the session is built from
-  the caller's collection arguments (the paths and node ids it was given, or its ini's
-  ``testpaths``), so initial conftests, ``rootdir`` and the collection tree are the caller's,
-  and pytest collects them as it does in every rank of ``torchrun -m pytest ARGS`` (items
-  kept by node id). One tree matters: pytest 9.1+ attaches a conftest's fixtures to its
-  directory's node, so a second collection's nodes would not see them. An edited module or
-  conftest never reaches a cached collection: the code check before every task sends the
-  task to a fresh group (:mod:`cpq.rank.freshness`).
-* **Plugins.** The caller's, except those whose work is the calling process's: terminal
-  reporting, cpq itself, coverage (cpq measures the ranks itself), rerun plugins (the caller
-  reruns the test), xdist's distribution; pytest-timeout runs here as in a fresh rank where
-  its signal method times the test (:mod:`cpq.rank.timeouts`); ``--pdb``, ``-x``, ``--lf``,
-  JUnit and the like are off here (the caller does them from the combined reports).
-* **Random generators** start each test as a fresh process's do: ``random``, numpy and torch
-  drawn from fresh entropy, different per rank, unless a fixture or a plugin (pytest-randomly,
-  with the caller's seed) seeds them.
+  pytest tears down towards ``nextitem``.
+* **Collection** is the caller's own, once per calling session, from its collection
+  arguments, so initial conftests, ``rootdir`` and the one collection tree (pytest 9.1+
+  attaches a conftest's fixtures to its directory's node) are the caller's; items are kept
+  by node id. An edited module never reaches a cached collection (:mod:`cpq.rank.freshness`).
+* **Plugins.** The caller's, except those whose work is the calling process's (terminal,
+  cpq, coverage, reruns, xdist; ``--pdb``, ``-x``, ``--lf``, JUnit); pytest-timeout's signal
+  method times the test here, as in a fresh rank (:mod:`cpq.rank.timeouts`).
+* **Random generators** start each test as a fresh process's do (fresh entropy per rank),
+  unless a fixture or a plugin (pytest-randomly, with the caller's seed) seeds them.
 
 Nothing here imports pytest until a test runs: a rank that never runs one pays nothing.
 """
@@ -270,7 +261,8 @@ class RankSession:
         self.config.pluginmanager.register(_phase_plugin(), "cpq-rank-phases")
         from cpq.rank import timeouts  # imports pytest: only where a test runs
 
-        self.config.pluginmanager.register(timeouts.InRank(), "cpq-rank-timeouts")
+        self.timer = timeouts.InRank()
+        self.config.pluginmanager.register(self.timer, "cpq-rank-timeouts")
         self.config._do_configure()
         self._silence_terminal()
         for name in ("lfplugin", "nfplugin", "stepwiseplugin"):  # the caller's cache only
@@ -345,8 +337,9 @@ class RankSession:
         # The caller reported its own collection's warnings; the first test's are its own.
         self.recorder.clear()
 
-    def run(self, item: Any, next_nodeid: str | None) -> None:
-        """Run ``item``'s protocol, torn down towards ``next_nodeid`` (the caller's next)."""
+    def run(self, item: Any, next_nodeid: str | None, untimed: bool = False) -> None:
+        """Run ``item``'s protocol, torn down towards ``next_nodeid`` (the caller's next);
+        ``untimed``: pytest-timeout arms no timer for it (:class:`~cpq.rank.timeouts.InRank`)."""
         state = self.session._setupstate
         if state.stack:
             # Left standing by a test whose next one ran elsewhere (on another group, or in
@@ -359,7 +352,11 @@ class RankSession:
         if nextitem is None and next_nodeid is not None:  # a test this rank did not collect
             chain = _shared_chain(item, next_nodeid)
             nextitem = None if chain is None else _Next(chain)
-        item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        self.timer.untimed = untimed
+        try:
+            item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        finally:
+            self.timer.untimed = False
 
     def close(self) -> None:
         """Finish the session: fixtures still standing are torn down, plugins unconfigured."""
@@ -441,10 +438,12 @@ def run_item(
     path: str,
     next: str | None = None,
     rerun: bool = False,
+    untimed: bool = False,
 ) -> ItemRun:
     """Run test ``nodeid`` (of the file ``path``) through this rank's pytest session of the
     calling ``session``; ``next`` is the caller's next test id (None: its last test);
-    ``rerun``: the caller's rerun plugin may run this test again after this attempt.
+    ``rerun``: the caller's rerun plugin may run this test again after this attempt;
+    ``untimed``: an earlier attempt's failure spent pytest-timeout's timer (``InRank``).
 
     An empty ``nodeid`` opens the session and collects, running no test: the calling
     process sends it while it collects itself (:mod:`cpq.client.opening`), so its first test
@@ -472,7 +471,7 @@ def run_item(
         current.generators = None
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
-    current.run(item, next)
+    current.run(item, next, untimed)
     ran = _item_run(current, rank)
     # The caller's last test: its session ends here now (unless a rerun of it may come).
     if next is None and not _rerun_may_come(rerun, ran):

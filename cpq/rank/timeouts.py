@@ -26,14 +26,26 @@ _CLAIMED = pytest.StashKey[bool]()
 
 
 class InRank:
-    """Registered in each rank's pytest session (:class:`cpq.rank.items.RankSession`)."""
+    """Registered in each rank's pytest session (:class:`cpq.rank.items.RankSession`).
+
+    :attr:`untimed` is set for an attempt whose caller's timer is spent: in a fresh run,
+    pytest-timeout times the whole protocol (``func_only`` off) and cancels its timer at the
+    first failure (its ``pytest_exception_interact``), so a rerun plugin's later attempts of
+    the test run untimed; each attempt here is a protocol of its own, which would arm the
+    timer again (a newcomer's trial: a test that timed out, then passed on its rerun in the
+    fresh run, failed its rerun here).
+    """
+
+    def __init__(self) -> None:
+        self.untimed = False
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool | None:
-        if getattr(settings, "method", "signal") == "signal":
+        spent = self.untimed and not getattr(settings, "func_only", False)
+        if getattr(settings, "method", "signal") == "signal" and not spent:
             return None  # pytest-timeout's own: SIGALRM, as in a fresh rank
         item.stash[_CLAIMED] = True
-        return True  # nothing armed: the broker's deadline times it
+        return True  # nothing armed: the broker's deadline times it (or nothing: spent)
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
