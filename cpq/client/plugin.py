@@ -140,8 +140,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     Collecting a suite that imports torch takes seconds; starting the groups the last run
     needed (remembered in pytest's cache) overlaps the spawn with that. The warm-up after
     collection then corrects for what this run actually selected. The same request went out
-    before the conftests imported (``early_warm``) where it could; the broker starts a
-    group once, so asking again only covers a spec whose start variables a conftest set.
+    before the conftests imported (``early_warm``) where it could; warming starts a spec's
+    groups up to the count asked for, so asking again starts only what that did not.
     """
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]

@@ -50,7 +50,8 @@ RANKS_SLACK_S = 5.0
 ON_RANKS_KEY = pytest.StashKey[bool]()
 #: Set when cpq's timer of this protocol run was cancelled (pytest-timeout cancels it at
 #: the first failure, and at the protocol's end): a rerun's attempt after it is untimed, as
-#: in a fresh run (:data:`cpq.rank.timeouts.untimed`). Cleared when the protocol starts.
+#: in a fresh run (``untimed``: :class:`cpq.rank.timeouts.InRank`). Cleared when the protocol
+#: starts.
 SPENT_KEY = pytest.StashKey[bool]()
 #: pytest-timeout's failure message (``pytest_timeout.PYTEST_FAILURE_MESSAGE``).
 FAILURE_MESSAGE = "Timeout (>%ss) from pytest-timeout."
