@@ -166,14 +166,18 @@ def test_coverage_sees_the_ranks(parity_broker: str, tmp_path: Path, workers: li
     write(tmp_path / "tplib.py", COV_LIB)
     write(tmp_path / "test_cov.py", COV_TESTS)
     env = session_env(parity_broker)
-    reports, contexts = {}, {}
+    reports, contexts, outputs = {}, {}, {}
     for plain in (False, True):
         report = tmp_path / f"cov-{plain}.json"
         args = ["--cov=tplib", f"--cov-report=json:{report}", "--cov-context=test", *workers]
-        verdicts, output = run_pytest(tmp_path, env, *args, plain=plain)
-        assert verdicts == {"test_branch": "passed", "test_local": "passed"}, output
+        verdicts, outputs[plain] = run_pytest(tmp_path, env, *args, plain=plain)
+        assert verdicts == {"test_branch": "passed", "test_local": "passed"}, outputs[plain]
         reports[plain], contexts[plain] = report, _contexts(tmp_path / ".coverage")
     assert _lines(reports[False]) == _lines(reports[True])
+    # merging the ranks' data warned "No data was collected" and "Module tplib was never
+    # imported" in the test (a newcomer's trial): the warnings are the plain run's
+    for warned in ("No data was collected", "was never imported"):
+        assert (warned in outputs[False]) == (warned in outputs[True]), outputs[False]
     assert 3 in _lines(reports[False])["tplib.py"]  # `if flag:`, run only in the ranks
     assert "test_cov.py::test_branch|run" in contexts[False]
     assert contexts[False] == contexts[True]
