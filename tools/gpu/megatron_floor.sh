@@ -27,16 +27,9 @@ python3 -c 'import numpy' 2>/dev/null ||
 PYTHONPATH=$SITE python3 -c 'import zmq' 2>/dev/null ||
   python3 -m pip install -q --no-index --no-deps --target "$SITE" "$PROJ"/.whl/pyzmq-*.whl >/dev/null 2>&1
 export PYTHONPATH=$SITE:$MSITE:$PROJ:$HERE/src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 \
-  https_proxy=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9
-FILES=(tests/unit_tests/test_parallel_state.py tests/unit_tests/tensor_parallel
-  tests/unit_tests/distributed/test_param_and_grad_buffer.py tests/unit_tests/transformer/test_mlp.py
-  tests/unit_tests/transformer/test_module.py tests/unit_tests/transformer/test_rope.py
-  tests/unit_tests/transformer/test_relative_attention.py tests/unit_tests/transformer/test_spec_utils.py
-  tests/unit_tests/fusions/test_torch_softmax.py tests/unit_tests/models/test_base_embedding.py
-  tests/unit_tests/models/test_multimodal_projector.py)
+# shellcheck source=tools/gpu/megatron_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/megatron_env.sh"  # FILES, multicast off, no network
 if [ -n "${MEG_FILES:-}" ]; then read -r -a FILES <<< "$MEG_FILES"; fi
 cd "$HERE/src" || exit 3
 LOG=$OUT/logs

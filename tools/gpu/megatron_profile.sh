@@ -11,15 +11,9 @@ M=$PROJ/.megatron
 python3 -m pip install -q --no-index --no-deps --target /tmp/msite "$M"/.whl/*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site "$PROJ"/.whl/pyzmq-*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:/tmp/msite:$PROJ:$M/src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=${MEG_NO_PYC-1}
-export HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9
-FILES=(tests/unit_tests/test_parallel_state.py tests/unit_tests/tensor_parallel
-  tests/unit_tests/distributed/test_param_and_grad_buffer.py tests/unit_tests/transformer/test_mlp.py
-  tests/unit_tests/transformer/test_module.py tests/unit_tests/transformer/test_rope.py
-  tests/unit_tests/transformer/test_relative_attention.py tests/unit_tests/transformer/test_spec_utils.py
-  tests/unit_tests/fusions/test_torch_softmax.py tests/unit_tests/models/test_base_embedding.py
-  tests/unit_tests/models/test_multimodal_projector.py)
+# shellcheck source=tools/gpu/megatron_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/megatron_env.sh"  # FILES, multicast off, no network
 cd "$M/src" || exit 3
 t() { local s; s=$(date +%s.%N); "$@" > /dev/null 2>&1; echo "$(python3 -c "import time;print(round(time.time()-$s,2))")s :: ${*:0:6}"; }
 echo "== client start (PYTHONDONTWRITEBYTECODE=$PYTHONDONTWRITEBYTECODE)"
