@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 from bench_opening import CONFTEST, SLOW_PACKAGE, TESTS
-from bench_pytest_ranks import ROOT, quiet_cpu, start_broker, tree_env
+from bench_pytest_ranks import (
+    ROOT,
+    add_worktree,
+    quiet_cpu,
+    remove_worktree,
+    start_broker,
+    tree_env,
+)
 
 WAIT = re.compile(r"([0-9.]+)s waiting for groups to start")
 
@@ -71,11 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-cold-"))
     base = work / "baseline"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-        check=True,
-        capture_output=True,
-    )
+    add_worktree(base, args.baseline)
     trees = {"this checkout": ROOT, f"before ({args.baseline})": base}
     projects, envs = {}, {}
     for i, (name, tree) in enumerate(trees.items()):
@@ -103,10 +106,7 @@ def main() -> None:
                 waits[name].append(waited)
             fresh.append(fresh_session(projects["this checkout"], envs["this checkout"]))
     finally:
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-            capture_output=True,
-        )
+        remove_worktree(base)
     print(
         f"{args.tests} tests, --cpq-world-size 1, the conftest's import {args.import_s} s of "
         f"CPU, {args.reps} cold sessions per tree (a new broker each), alternated"

@@ -26,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_pytest_ranks import ROOT, print_trees, settle, start_broker, tree_env
+from bench_pytest_ranks import (
+    ROOT,
+    add_worktree,
+    print_trees,
+    remove_worktree,
+    settle,
+    start_broker,
+    tree_env,
+)
 
 SLOW_PACKAGE = """
 import time
@@ -92,11 +100,7 @@ def main() -> None:
     (project / "tests" / "conftest.py").write_text(CONFTEST.format(slow=conftest_slow))
     (project / "tests" / "test_many.py").write_text(TESTS.format(n=args.tests, slow=module_slow))
     base = work / "baseline"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-        check=True,
-        capture_output=True,
-    )
+    add_worktree(base, args.baseline)
     trees = {"this checkout": ROOT, f"before ({args.baseline})": base}
     envs = {}
     for i, (name, tree) in enumerate(trees.items()):
@@ -118,10 +122,7 @@ def main() -> None:
             proc.terminate()
         for proc in brokers:
             proc.wait(timeout=60)
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-            capture_output=True,
-        )
+        remove_worktree(base)
     print(
         f"{args.tests} tests, --cpq-world-size {args.world_size}, the project's import "
         f"{args.import_s} s of CPU in the {args.where}, {args.reps} warm sessions per tree, "

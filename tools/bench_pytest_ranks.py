@@ -54,6 +54,21 @@ def tree_env(tree: Path, state: Path) -> dict[str, str]:
     return env
 
 
+def add_worktree(path: Path, commit: str) -> None:
+    """An earlier tree of this repository at ``path`` (the baseline a benchmark compares with)."""
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), commit],
+        check=True,
+        capture_output=True,
+    )
+
+
+def remove_worktree(path: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True
+    )
+
+
 def start_broker(env: dict[str, str], gpus: str, log: Path) -> subprocess.Popen[bytes]:
     state = Path(env["CPQ_STATE_DIR"])
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
