@@ -73,10 +73,14 @@ def pytest_configure(config: pytest.Config) -> None:
         state, "--max-ranks", "6", "--spares", "0"
     )  # spares: test_spares
     _shared.update(process=process, endpoint=endpoint, state=state)
-    names = ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "PYTEST_ADDOPTS")
+    names = ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "PYTEST_ADDOPTS", "CPQ_WARM_CALLER")
     _shared["old_env"] = {k: os.environ.get(k) for k in names}
     os.environ["CPQ_ENDPOINT"] = endpoint
     os.environ["CPQ_STATE_DIR"] = str(state)
+    # The inner sessions (hundreds, each of its own rootdir) keep no warm caller each: on
+    # this suite's two cores they would compete with the tests. tests/test_warm_caller.py
+    # turns it on for its own sessions.
+    os.environ["CPQ_WARM_CALLER"] = "0"
     # The inner pytest runs (pytester) keep their order and seeds: pytest-randomly is
     # installed for the parity tests, which ask for it with -p randomly themselves.
     # Hypothesis's plugin (installed for tests/unit) imports all of hypothesis at start-up:

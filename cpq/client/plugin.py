@@ -30,6 +30,7 @@ from cpq import paths, protocol
 from cpq.client import (
     confirm,
     early_warm,
+    handoff,
     items,
     launches,
     opening,
@@ -115,6 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    handoff.at_end(config)
     routing = config.stash.get(ROUTING_KEY, None)
     if routing is not None:
         routing.close()
@@ -130,7 +132,10 @@ WARM_CACHE_KEY = early_warm.WARM_CACHE_KEY
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """Ask for the last session's groups before the conftests import (``early_warm``)."""
+    """Hand the session to the project's warm caller (``handoff``: this process then only
+    waits for it), else ask for the last session's groups before the conftests import
+    (``early_warm``)."""
+    handoff.at_start(early_config)
     early_warm.send(early_config)
 
 
@@ -143,6 +148,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     before the conftests imported (``early_warm``) where it could; warming starts a spec's
     groups up to the count asked for, so asking again starts only what that did not.
     """
+    handoff.at_session_start(session.config)
     cache = getattr(session.config, "cache", None)
     cpq_session = session.config.stash[SESSION_KEY]
     pdb_relay.wrap_pdb_invoke(session.config)  # after pytest's --pdb plugin is configured

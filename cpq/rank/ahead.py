@@ -122,6 +122,13 @@ def learn(crossed: boundary.Crossed, path: list[str], cwd: str, environ: dict[st
         _plan = Plan(modules, list(path), cwd, dict(environ))
 
 
+def plan(modules: list[str], path: list[str], cwd: str, environ: dict[str, str]) -> None:
+    """Plan to import ``modules`` ahead (the warm caller, :mod:`cpq.caller.server`, plans
+    what the project's last calling process imported)."""
+    global _plan
+    _plan = Plan(list(modules), list(path), cwd, dict(environ)) if modules else None
+
+
 def pending() -> bool:
     return _plan is not None
 
@@ -203,10 +210,14 @@ class _Saved:
         carryover.put_switches({n: v for n, v in self.switches.items() if now.get(n) != v})
 
 
-def warm(task_waits: Callable[[], bool] = lambda: False) -> None:
+def warm(task_waits: Callable[[], bool] = lambda: False) -> dict[str, str | None]:
     """Make the planned imports and keep them aside (see the module docstring). Run by the
     main thread while the rank waits for work; never raises. A task that arrives meanwhile
-    (``task_waits()``) ends it after the family being imported: what is done is kept."""
+    (``task_waits()``) ends it after the family being imported: what is done is kept.
+
+    Returns every variable the imports read, with the value read: families that cannot
+    leave ``sys.modules`` (an extension's, torch's) stay loaded, and a process that goes on
+    from here (the warm caller's fork) must check those in its own variables."""
     global _plan
     plan, _plan = _plan, None
     drop("not imported by the session that just ended")  # the runtime did, unless a test
@@ -214,7 +225,7 @@ def warm(task_waits: Callable[[], bool] = lambda: False) -> None:
         log.info("the modules imported ahead of the last session: %s", _said(_fate))
         _fate.clear()
     if plan is None:
-        return
+        return {}
     started = time.perf_counter()
     saved = _Saved.take()
     parts: list[Part] = []
@@ -234,12 +245,13 @@ def warm(task_waits: Callable[[], bool] = lambda: False) -> None:
         why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     detached = boundary.detach()  # what the imports loaded leaves sys.modules, whatever came
     saved.put_back()
+    reads = {name: value for part in parts for name, value in part.reads.items()}
     tops = {name.partition(".")[0] for name in detached.modules}
     if why or not tops:
         for top in tops | {name.partition(".")[0] for name in plan.modules}:
             refused[top] = why or "nothing to keep"
         log.info("not importing %s ahead of sessions: the import %s", ", ".join(sorted(tops)), why)
-        return
+        return reads
     for part in parts:
         part.tops = {top for top in part.tops & tops if top in detached.modules}
         part.detached = _share(detached, part.tops)
@@ -253,6 +265,7 @@ def warm(task_waits: Callable[[], bool] = lambda: False) -> None:
         len(detached.modules),
         ", ".join(sorted(_parts))[:300],
     )
+    return reads
 
 
 def _families(modules: list[str]) -> list[list[str]]:

@@ -1,0 +1,313 @@
+"""The warm caller's process: import what the project's sessions import, then fork one
+calling session per request (docs/design.md, "The warm caller").
+
+Started by a calling session that found none (:mod:`cpq.client.handoff`), with that
+session's interpreter, options, variables and working directory: ``python -m cpq.caller
+PLAN``. It takes the ready state a rank takes (:func:`cpq.rank.boundary.mark_ready`: cpq,
+pytest, the standard library), imports the plan's modules as a rank imports ahead of a
+session (:func:`cpq.rank.ahead.warm`: project families kept out of ``sys.modules`` until the
+session imports them, checked then; families that cannot leave, torch's, stay loaded), and
+only then listens. Each request is checked before anything forks:
+
+* every file its loaded modules came from is unchanged (:class:`~cpq.rank.freshness.CodeWatch`)
+  — else it refuses and exits once its sessions are done: the session starts a new one;
+* every variable its imports read has the same value in the caller's variables — else it
+  refuses that caller (a session of another environment) and stays;
+* it runs no Python thread and has not initialised CUDA (a fork copies only the thread
+  that forks).
+
+The fork becomes the calling process (:mod:`cpq.caller.child`); this process tells the
+caller the fork's pid, then its wait status, and kills the fork's process group when the
+caller's connection closes first (the caller was killed). A newer warm caller of the
+project (a plan that grew) takes the socket's path over by a rename once it is ready; this
+one then exits when its sessions are done, as it does after ``CPQ_WARM_CALLER_IDLE_S``
+(900 s) without a session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cpq.caller import wire
+from cpq.rank import ahead, boundary, freshness, importenv
+
+log = logging.getLogger("cpq.caller")
+
+_TICK_S = 0.5
+
+
+class Refused(Exception):
+    """Why a request is not served; ``fatal``: this process no longer serves anyone."""
+
+    def __init__(self, why: str, fatal: bool = False) -> None:
+        super().__init__(why)
+        self.fatal = fatal
+
+
+class Server:
+    """The warm caller's state: its plan, its imports' reads, its forks."""
+
+    def __init__(self, plan_file: Path, plan: wire.Plan, started_ns: int) -> None:
+        self.plan_file = plan_file
+        self.plan = plan
+        self.watch = freshness.CodeWatch()
+        self.started_ns = started_ns
+        self.reads: dict[str, str | None] = {}
+        #: fork pid -> the connection to its caller (None: the caller is gone).
+        self.children: dict[int, socket.socket | None] = {}
+        self.closing = ""
+        self.idle_s = float(os.environ.get(wire.IDLE_VAR) or wire.DEFAULT_IDLE_S)
+        self.last_used = time.monotonic()
+        self.listener: socket.socket | None = None
+        self.inode = -1
+
+    def warm(self) -> None:
+        boundary.mark_ready()
+        importenv.start_done()
+        self.watch.scan(self.started_ns)
+        started = time.perf_counter()
+        ahead.plan(self.plan.modules, self.plan.path, self.plan.cwd, self.plan.environ)
+        self.reads = ahead.warm()
+        self.watch.scan(self.started_ns)
+        log.info(
+            "warm in %.2fs: %d modules loaded, %s waiting to be imported",
+            time.perf_counter() - started,
+            len(sys.modules),
+            ", ".join(ahead.held())[:300] or "none",
+        )
+
+    # ---- the socket
+
+    def listen(self, path: Path) -> None:
+        """Bind a socket of its own and move it over ``path`` (a rename: a session
+        connecting meanwhile reaches the old warm caller or this one, never neither). The
+        one it replaces sees its path taken and exits once its sessions are done."""
+        mine = path.with_name(f"{path.name}.{os.getpid()}")
+        mine.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(str(mine))
+        os.chmod(mine, 0o600)
+        listener.listen(16)
+        os.replace(mine, path)
+        self.listener = listener
+        self.inode = os.stat(path).st_ino
+
+    def serve(self, path: Path) -> None:
+        while self.listener is not None or self.children:
+            readable = [c for c in self.children.values() if c is not None]
+            if self.listener is not None:
+                readable.append(self.listener)
+            ready, _, _ = select.select(readable, [], [], _TICK_S)
+            for sock in ready:
+                if sock is self.listener:
+                    self._accept()
+                else:
+                    self._caller_gone(sock)
+            self._reap()
+            why = self.closing or self._why_close(path)
+            if why and self.listener is not None:
+                log.info("closing: %s", why)
+                self.listener.close()
+                self.listener = None
+                if self._owns(path):
+                    path.unlink(missing_ok=True)
+
+    def _owns(self, path: Path) -> bool:
+        try:
+            return os.stat(path).st_ino == self.inode
+        except OSError:
+            return False
+
+    def _why_close(self, path: Path) -> str:
+        if not self._owns(path):
+            return "a newer warm caller serves the project"
+        if self.children:
+            self.last_used = time.monotonic()
+        elif time.monotonic() - self.last_used > self.idle_s:
+            return f"no session for {self.idle_s:.0f}s"
+        return ""
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        conn, _ = self.listener.accept()
+        conn.settimeout(5.0)
+        fds: list[int] = []
+        try:
+            message, fds = wire.recv(conn, maxfds=3)
+            if message is None:
+                conn.close()
+                return
+            self._check(message, fds)
+        except Refused as refused:
+            self._refuse(conn, fds, str(refused), refused.fatal)
+            return
+        except (OSError, wire.WireError) as exc:
+            self._refuse(conn, fds, f"unreadable request: {exc}", False)
+            return
+        self.last_used = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the fork: becomes the calling process and never comes back here
+            try:
+                from cpq.caller import child
+
+                self._forget_sockets(keep=conn)
+                child.become(message, fds, conn)
+            finally:
+                os._exit(70)
+        for fd in fds:
+            os.close(fd)
+        try:
+            wire.send(conn, {"pid": pid})
+        except OSError:
+            pass  # the caller is gone: _caller_gone kills the fork
+        self.children[pid] = conn
+        log.info("session %d: %s", pid, " ".join(message["argv"])[:300])
+
+    def _refuse(self, conn: socket.socket, fds: list[int], why: str, fatal: bool) -> None:
+        for fd in fds:
+            os.close(fd)
+        log.info("refused a session: %s", why)
+        try:
+            wire.send(conn, {"refused": why})
+        except OSError:
+            pass
+        conn.close()
+        if fatal:
+            self.closing = why
+
+    def _check(self, message: dict[str, Any], fds: list[int]) -> None:
+        if len(fds) != 3:
+            raise Refused(f"expected the 3 standard descriptors, got {len(fds)}")
+        _check_shape(message)
+        if message.get("interpreter") != identity():
+            raise Refused("another interpreter or other interpreter options")
+        changed = self.watch.changed()
+        if changed:
+            raise Refused(f"{changed} changed since it was imported", fatal=True)
+        environ = {os.fsencode(k): os.fsencode(v) for k, v in message["environ"].items()}
+        variable = _stale_in(self.reads, environ) or importenv.differs(environ)[0]
+        if variable:
+            raise Refused(f"its imports read {variable}, which differs for this session")
+        # A fork copies one thread. Native threads a library starts at import (torch's) are
+        # what every fork-based worker of that library lives with (torch's DataLoader); a
+        # Python thread, or CUDA initialised, would leave the fork broken.
+        if threading.active_count() != 1:
+            raise Refused("it runs a Python thread: a fork would copy one", fatal=True)
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None)
+        if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
+            raise Refused("CUDA is initialised: a fork could not use it", fatal=True)
+
+    def _caller_gone(self, conn: socket.socket) -> None:
+        """The caller's end closed (or sent something) while its session runs: it was
+        killed, so the session is killed too, as a killed pytest process takes its
+        session with it."""
+        for pid, each in list(self.children.items()):
+            if each is conn:
+                log.info("session %d: its caller is gone; killing it", pid)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                conn.close()
+                self.children[pid] = None
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid not in self.children:
+                continue
+            conn = self.children.pop(pid)
+            log.info("session %d ended: wait status %d", pid, status)
+            if conn is None:
+                continue
+            try:
+                wire.send(conn, {"status": status})
+            except OSError:
+                pass
+            conn.close()
+
+    def _forget_sockets(self, keep: socket.socket) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        for conn in self.children.values():
+            if conn is not None and conn is not keep:
+                conn.close()
+
+
+def _check_shape(message: dict[str, Any]) -> None:
+    def texts(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+    if not (texts(message.get("argv")) and texts(message.get("path"))):
+        raise Refused("argv and path must be lists of text")
+    if not isinstance(message.get("cwd"), str) or not isinstance(message.get("umask"), int):
+        raise Refused("cwd must be text and umask a number")
+    environ = message.get("environ")
+    if not isinstance(environ, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in environ.items()
+    ):
+        raise Refused("environ must map text to text")
+    streams = message.get("streams")
+    if not isinstance(streams, list) or len(streams) != 3:
+        raise Refused("streams must describe stdin, stdout and stderr")
+
+
+def identity() -> list[Any]:
+    """The interpreter as a caller describes its own (``handoff._interpreter_identity``)."""
+    return [
+        sys.executable,
+        sys.version,
+        list(sys.flags),
+        sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
+        list(sys.warnoptions),
+    ]
+
+
+def _stale_in(reads: dict[str, str | None], environ: dict[bytes, bytes]) -> str:
+    for name, value in reads.items():
+        if environ.get(os.fsencode(name)) != (None if value is None else os.fsencode(value)):
+            return name
+    return ""
+
+
+def main(argv: list[str]) -> int:
+    started_ns = time.time_ns()
+    if len(argv) != 1:
+        print("usage: python -m cpq.caller PLAN_FILE", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler(sys.stderr)  # the log file its starter opened
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s[%(process)d] %(message)s"))
+    own = logging.getLogger("cpq")  # not the root logger: a fork's must be a fresh one's
+    own.addHandler(handler)
+    own.setLevel(logging.INFO)
+    own.propagate = False
+    plan_file = Path(argv[0])
+    try:
+        plan = wire.Plan.read(plan_file)
+    except wire.WireError as exc:
+        log.error("%s", exc)
+        return 2
+    import pytest  # noqa: F401  (the harness: every session's fork starts from it loaded)
+
+    server = Server(plan_file, plan, started_ns)
+    server.warm()
+    path = wire.socket_path(plan.key)
+    server.listen(path)
+    log.info("serving %s", path)
+    server.serve(path)
+    return 0

@@ -1,0 +1,156 @@
+"""What the calling pytest process and the warm caller say to each other, and where.
+
+One ``AF_UNIX`` ``SOCK_SEQPACKET`` socket per warm caller, in the per-user state directory
+(mode 0700: the file system is the access control, as for the broker's socket). A message
+is one msgpack map — never pickle — and a packet keeps its bounds, so a message is read
+whole or not at all. The request carries the three standard descriptors (``SCM_RIGHTS``).
+
+A warm caller serves one **key**: the interpreter (executable, version, ``sys.flags``, ``-X``
+and ``-W`` options), the import path beyond its first entry and the project's rootdir. What
+it imported ahead and in which variables is its **plan**, written by the session that came
+before it (:mod:`cpq.client.handoff`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from cpq import paths
+
+VERSION = 1
+MAX_BYTES = 4 << 20
+#: The warm caller's variable: "0" off, "1" kept for every session, unset or "auto": kept
+#: for a project whose session took at least :data:`AUTO_MIN_START_S` to start.
+ENABLE_VAR = "CPQ_WARM_CALLER"
+AUTO_MIN_START_S = 5.0
+#: How long a warm caller waits for a session before it exits.
+IDLE_VAR = "CPQ_WARM_CALLER_IDLE_S"
+DEFAULT_IDLE_S = 900.0
+
+
+class WireError(Exception):
+    """A message that is not one of ours (its text says what is wrong)."""
+
+
+def folder() -> Path:
+    return paths.ensure_private_dir(paths.state_dir() / "callers")
+
+
+def key_of(rootpath: str) -> str:
+    """The key of a calling process with this rootdir (see the module docstring)."""
+    parts = [
+        sys.executable,
+        sys.version,
+        list(sys.flags),
+        sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
+        list(sys.warnoptions),
+        sys.path[1:],
+        rootpath,
+    ]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def socket_path(key: str) -> Path:
+    return folder() / f"{key}.sock"
+
+
+def plan_path(key: str) -> Path:
+    return folder() / f"{key}.plan.json"
+
+
+@dataclass
+class Plan:
+    """What the warm caller of ``key`` imports ahead, and how it is started."""
+
+    key: str
+    #: Modules in the order the last session imported them (see ``handoff.modules_to_plan``).
+    modules: list[str]
+    path: list[str]
+    cwd: str
+    environ: dict[str, str]
+    #: The interpreter and its options, as the calling process was started.
+    interpreter: list[str]
+    #: The session's start: process start to the end of its initial conftests.
+    start_s: float
+    v: int = VERSION
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def write(self) -> Path:
+        target = plan_path(self.key)
+        temporary = target.with_suffix(f".{os.getpid()}.tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            json.dump(asdict(self), out)
+        os.replace(temporary, target)
+        return target
+
+    @classmethod
+    def read(cls, path: Path) -> Plan:
+        """The plan in ``path``; :class:`WireError` for anything else."""
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("v") != VERSION:
+                raise WireError(f"plan version {raw.get('v')!r}, this cpq writes {VERSION}")
+            plan = cls(**raw)
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise WireError(f"unreadable plan {path}: {exc}") from None
+        fields = (plan.modules, plan.path, plan.interpreter)
+        if not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in fields):
+            raise WireError(f"plan {path}: modules, path and interpreter must be lists of text")
+        if not isinstance(plan.environ, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in plan.environ.items()
+        ):
+            raise WireError(f"plan {path}: environ must map text to text")
+        return plan
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = msgpack.packb({"v": VERSION, **message}, use_bin_type=True)
+    if len(data) > MAX_BYTES:
+        raise WireError(f"message of {len(data)} bytes, the most is {MAX_BYTES}")
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors that came with it; ``(None, [])`` when the peer
+    closed. Descriptors of a message that does not decode are closed before it raises."""
+    data, fds, _, _ = socket.recv_fds(sock, MAX_BYTES, maxfds)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if not isinstance(message, dict) or message.get("v") != VERSION:
+            raise WireError(f"not a version-{VERSION} message")
+    except Exception as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"undecodable message: {type(exc).__name__}: {exc}") from None
+    return message, fds
+
+
+def connect(path: Path, timeout_s: float) -> socket.socket | None:
+    """A connection to the warm caller at ``path``, None when none listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return sock
