@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import importlib.util
 import io
 import logging
@@ -29,6 +30,7 @@ import traceback
 import types
 from typing import Any, NoReturn
 
+from cpq.caller import wire
 from cpq.rank import reset
 
 _DEFAULT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGALRM")
@@ -52,19 +54,15 @@ def become(message: dict[str, Any], fds: list[int], conn: socket.socket) -> NoRe
     reset.set_environ(message["environ"])
     affinity = message.get("affinity")
     if affinity and hasattr(os, "sched_setaffinity"):
-        try:
+        with contextlib.suppress(OSError):
             os.sched_setaffinity(0, affinity)
-        except OSError:
-            pass
     sys.argv[:] = message["argv"]
     sys.orig_argv = list(message.get("orig_argv") or message["argv"])
     sys.path[:] = message["path"]
     _quiet_cpq_logging()
     _set_main(message.get("main") or {})
     _set_streams(message["streams"])
-    from cpq.client import handoff
-
-    handoff.handed_over(message)
+    wire.served = message
     _run()
 
 
@@ -146,7 +144,7 @@ def _text_stream(fd: int, name: str, info: Any) -> Any:
     write = fd != 0
     mode = "w" if write else "r"
     raw = io.FileIO(fd, mode + "b", closefd=False)
-    raw.name = f"<{name}>"  # type: ignore[misc]
+    raw.name = f"<{name}>"
     buffer: Any = raw
     if write and not info.get("unbuffered"):
         buffer = io.BufferedWriter(raw)

@@ -26,6 +26,7 @@ one then exits when its sessions are done, as it does after ``CPQ_WARM_CALLER_ID
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -91,7 +92,7 @@ class Server:
         """Bind a socket of its own and move it over ``path`` (a rename: a session
         connecting meanwhile reaches the old warm caller or this one, never neither). The
         one it replaces sees its path taken and exits once its sessions are done."""
-        mine = path.with_name(f"{path.name}.{os.getpid()}")
+        mine = path.with_name(f"{path.stem}.{os.getpid()}")
         mine.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(str(mine))
@@ -165,21 +166,17 @@ class Server:
                 os._exit(70)
         for fd in fds:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):  # the caller is gone: _caller_gone kills the fork
             wire.send(conn, {"pid": pid})
-        except OSError:
-            pass  # the caller is gone: _caller_gone kills the fork
         self.children[pid] = conn
-        log.info("session %d: %s", pid, " ".join(message["argv"])[:300])
+        log.info("session %d started: %s", pid, " ".join(message["argv"])[:300])
 
     def _refuse(self, conn: socket.socket, fds: list[int], why: str, fatal: bool) -> None:
         for fd in fds:
             os.close(fd)
         log.info("refused a session: %s", why)
-        try:
+        with contextlib.suppress(OSError):
             wire.send(conn, {"refused": why})
-        except OSError:
-            pass
         conn.close()
         if fatal:
             self.closing = why
@@ -214,10 +211,8 @@ class Server:
         for pid, each in list(self.children.items()):
             if each is conn:
                 log.info("session %d: its caller is gone; killing it", pid)
-                try:
+                with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    pass
                 conn.close()
                 self.children[pid] = None
 
@@ -235,10 +230,8 @@ class Server:
             log.info("session %d ended: wait status %d", pid, status)
             if conn is None:
                 continue
-            try:
+            with contextlib.suppress(OSError):
                 wire.send(conn, {"status": status})
-            except OSError:
-                pass
             conn.close()
 
     def _forget_sockets(self, keep: socket.socket) -> None:
@@ -307,7 +300,11 @@ def main(argv: list[str]) -> int:
     server = Server(plan_file, plan, started_ns)
     server.warm()
     path = wire.socket_path(plan.key)
-    server.listen(path)
+    try:
+        server.listen(path)
+    except OSError as exc:  # a state directory too deep for a socket's path (108 bytes)
+        log.error("cannot listen on %s: %s", path, exc)
+        return 1
     log.info("serving %s", path)
     server.serve(path)
     return 0

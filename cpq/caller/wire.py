@@ -37,6 +37,16 @@ IDLE_VAR = "CPQ_WARM_CALLER_IDLE_S"
 DEFAULT_IDLE_S = 900.0
 
 
+#: Families a plan never names: cpq and the pytest harness (the warm caller loads them at
+#: its start, as a rank does) and the main modules.
+NOT_PLANNED = frozenset(
+    {"cpq", "pytest", "_pytest", "pluggy", "iniconfig", "py", "__main__", "__mp_main__"}
+)
+#: Set in a warm caller's fork (:mod:`cpq.caller.child`): the request it serves, which the
+#: plugin's half (:mod:`cpq.client.handoff`) reads.
+served: dict[str, Any] | None = None
+
+
 class WireError(Exception):
     """A message that is not one of ours (its text says what is wrong)."""
 

@@ -41,8 +41,6 @@ from cpq.caller import wire
 _START_PATH = list(sys.path)
 _START_ENV = {k: v for k, v in os.environ.items() if k != "PYTEST_VERSION"}  # main() sets it
 
-#: Set in a warm caller's fork (:mod:`cpq.caller.child`): the request it serves.
-_served: dict[str, Any] | None = None
 #: What this session's start looked like, when it may be handed over or planned.
 _start: dict[str, Any] = {}
 
@@ -56,13 +54,19 @@ def mode() -> str:
     return "on" if value in ("1", "on", "yes", "true") else "auto"
 
 
-def handed_over(message: dict[str, Any]) -> None:
-    """This process is a warm caller's fork serving ``message`` (:mod:`cpq.caller.child`)."""
-    global _served
-    _served = message
-    _START_PATH[:] = message["path"]
-    _START_ENV.clear()
-    _START_ENV.update(message["environ"])
+def _served() -> dict[str, Any] | None:
+    """The request this process serves when it is a warm caller's fork (``wire.served``)."""
+    return wire.served
+
+
+def _start_path() -> list[str]:
+    served = _served()
+    return list(served["path"]) if served else list(_START_PATH)
+
+
+def _start_env() -> dict[str, str]:
+    served = _served()
+    return dict(served["environ"]) if served else dict(_START_ENV)
 
 
 def at_start(config: Any) -> None:
@@ -77,7 +81,7 @@ def at_start(config: Any) -> None:
         return
     key = wire.key_of(str(config.rootpath))
     _start.update(key=key, interpreter=_interpreter())
-    if _served is not None:
+    if _served() is not None:
         return
     sock = wire.connect(wire.socket_path(key), 2.0)
     if sock is None:
@@ -100,7 +104,7 @@ def at_session_start(config: Any) -> None:
     caller saves — and, when no warm caller serves the project, start one from what this
     process imported so far (the conftests' imports, the bulk), so that it is ready long
     before this session ends."""
-    if not _start or _served is not None or "start_s" in _start:
+    if not _start or _served() is not None or "start_s" in _start:
         return
     try:
         import psutil
@@ -122,7 +126,7 @@ def at_end(config: Any) -> None:
     try:
         old = _read_plan(_start["key"])
         modules = modules_to_plan(_test_file_patterns(config))
-        unserved = _served is None and (
+        unserved = _served() is None and (
             bool(_start.get("refused")) or not ("answered" in _start or "spawned" in _start)
         )
         if unserved or old is None or not set(modules) <= set(old.modules):
@@ -134,7 +138,7 @@ def at_end(config: Any) -> None:
 def _worth_it() -> bool:
     """``auto``: a session that took at least 5 s to start; a served one (its warm caller
     was worth it)."""
-    if mode() == "on" or _served is not None:
+    if mode() == "on" or _served() is not None:
         return mode() != "off"
     return mode() == "auto" and float(_start.get("start_s", 0.0)) >= wire.AUTO_MIN_START_S
 
@@ -144,11 +148,11 @@ def _plan_and_spawn(config: Any, old: wire.Plan | None) -> None:
     plan = wire.Plan(
         key=_start["key"],
         modules=modules_to_plan(_test_file_patterns(config)),
-        path=list(_START_PATH),
+        path=_start_path(),
         cwd=str(config.invocation_params.dir),
-        environ=dict(_START_ENV),
+        environ=_start_env(),
         interpreter=_start["interpreter"],
-        start_s=old.start_s if _served is not None and old is not None else start_s,
+        start_s=old.start_s if _served() is not None and old is not None else start_s,
     )
     _spawn(plan.write(), plan)
 
@@ -277,9 +281,9 @@ def _main_info() -> dict[str, Any] | None:
     path = getattr(main, "__file__", None)
     if spec_name in ("pytest.__main__", "pytest"):
         return {"file": path, "spec": spec_name}
-    if isinstance(path, str) and os.path.basename(path) in ("pytest", "py.test"):
-        if os.path.abspath(path) == os.path.abspath(sys.argv[0]):
-            return {"file": path, "spec": None}
+    console_script = isinstance(path, str) and os.path.basename(path) in ("pytest", "py.test")
+    if console_script and os.path.abspath(str(path)) == os.path.abspath(sys.argv[0]):
+        return {"file": path, "spec": None}
     return None
 
 
@@ -318,9 +322,7 @@ def modules_to_plan(test_patterns: list[str]) -> list[str]:
     outside the standard library and the harness (cpq, pytest, pluggy) that have a spec to
     import them by (``torch._C._jit`` has none: its package makes it); no family holding a
     module pytest rewrote, a conftest or a test module (pytest imports those itself)."""
-    from cpq.rank.boundary import HARNESS
-
-    skip = set(HARNESS) | set(getattr(sys, "stdlib_module_names", ())) | {"__mp_main__"}
+    skip = set(wire.NOT_PLANNED) | set(getattr(sys, "stdlib_module_names", ()))
     families: dict[str, list[str]] = {}
     bad: set[str] = set()
     for name, module in list(sys.modules.items()):
@@ -333,7 +335,11 @@ def modules_to_plan(test_patterns: list[str]) -> list[str]:
         path = getattr(module, "__file__", None)
         base = os.path.basename(path) if isinstance(path, str) else ""
         rewritten = type(getattr(spec, "loader", None)).__name__ == "AssertionRewritingHook"
-        if rewritten or base == "conftest.py" or any(fnmatch.fnmatch(base, p) for p in test_patterns):
+        if (
+            rewritten
+            or base == "conftest.py"
+            or any(fnmatch.fnmatch(base, p) for p in test_patterns)
+        ):
             bad.add(top)
             families.pop(top, None)
             continue

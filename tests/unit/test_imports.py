@@ -37,7 +37,9 @@ FOLDERS = {
     "cpq.broker": set(),
     "cpq.rank": set(),
     "cpq.fanout": set(),
-    "cpq.client": {"cpq.fanout"},  # the plugin registers the fan-out; `cpq merge` runs it
+    "cpq.client": {"cpq.fanout", "cpq.caller"},  # the plugin registers the fan-out; `cpq
+    # merge` runs it; a session is handed to the warm caller (``cpq.caller.wire``)
+    "cpq.caller": {"cpq.rank"},  # the warm caller imports ahead as a rank does
 }
 
 

@@ -1,0 +1,273 @@
+"""A ``--cpq-world-size`` session handed to the project's warm caller (cpq.caller) reports
+what a session of its own reports, test by test — against the same session with
+``CPQ_WARM_CALLER=0`` — and a variable or an edit that changes what the project's modules
+would be is seen. Real processes: the suite's broker, a warm caller the first session
+starts, ``python -m pytest`` sessions as a shell starts them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cpq.caller import wire
+
+HEAVY = """
+import os
+MODE = os.environ.get("HEAVY_MODE", "none")
+VALUE = 1
+"""
+
+CONFTEST = """
+import heavy
+
+SEEN = []
+
+def pytest_collection_modifyitems(items):
+    assert not SEEN, "this conftest's module state came from another session"
+    SEEN.append(len(items))
+
+def pytest_generate_tests(metafunc):
+    if "mode" in metafunc.fixturenames:
+        metafunc.parametrize("mode", [heavy.MODE])
+"""
+
+TESTS = """
+import os, time
+import pytest
+import heavy
+
+def test_value():
+    assert heavy.VALUE == 1
+
+def test_mode(mode):
+    assert mode == os.environ.get("HEAVY_MODE", "none")
+
+def test_fails():
+    assert heavy.VALUE == 2
+
+@pytest.mark.skip(reason="not today")
+def test_skipped():
+    pass
+
+def test_waits():
+    if not os.environ.get("WAIT_FILE"):
+        return
+    open(os.environ["WAIT_FILE"] + ".started", "w").close()
+    while not os.path.exists(os.environ["WAIT_FILE"]):
+        time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Path]:
+    """A project whose conftest imports a package of its own; a state directory of its own
+    (the warm caller's socket and log), the suite's broker."""
+    root = tmp_path / "proj"
+    (root / "heavy").mkdir(parents=True)
+    (root / "heavy" / "__init__.py").write_text(HEAVY)
+    (root / "conftest.py").write_text(CONFTEST)
+    (root / "test_things.py").write_text(TESTS)
+    (root / "pytest.ini").write_text("[pytest]\n")
+    # A short path: a socket's may not exceed 108 bytes, and pytest's tmp_path is deep.
+    state = Path(tempfile.mkdtemp(prefix="cpq-wc-"))
+    (tmp_path / "state").symlink_to(state)
+    yield root
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or ())
+        if "cpq.caller" in command and str(state) in command:
+            process.kill()
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def _env(project: Path, warm: str, **extra: str) -> dict[str, str]:
+    state = (project.parent / "state").resolve()
+    env = dict(os.environ, CPQ_STATE_DIR=str(state), CPQ_WARM_CALLER=warm)
+    env.pop("PYTEST_XDIST_WORKER", None)  # this suite's own, when it runs under xdist
+    env.pop("HEAVY_MODE", None)
+    env.update(extra)
+    return env
+
+
+def _session(project: Path, warm: str, name: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--cpq-world-size",
+        "1",
+        f"--junitxml={project.parent / name}.xml",
+        "-rA",
+    ]
+    return subprocess.run(
+        command,
+        cwd=project,
+        env=_env(project, warm, **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _verdicts(project: Path, name: str) -> dict[str, str]:
+    verdicts = {}
+    for case in ET.parse(project.parent / f"{name}.xml").iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        verdicts[case.get("name", "")] = kinds[0] if kinds else "passed"
+    return verdicts
+
+
+def _log(project: Path) -> str:
+    return "".join(p.read_text() for p in (project.parent / "state" / "callers").glob("*.log"))
+
+
+def _served(project: Path) -> int:
+    return len(re.findall(r"session \d+ started: ", _log(project)))
+
+
+def _wait_until_served_by_a_warm_caller(project: Path) -> None:
+    """The first session started a warm caller: wait until its socket answers."""
+    sockets = project.parent / "state" / "callers"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for path in sockets.glob("*.sock"):
+            probe = wire.connect(path, 1.0)
+            if probe is not None:
+                probe.close()
+                return
+        time.sleep(0.1)  # polling the socket file the warm caller creates
+    raise AssertionError(f"no warm caller came up:\n{_log(project)}")
+
+
+def _same_output(one: str, other: str) -> None:
+    def normal(text: str) -> list[str]:
+        text = re.sub(r"\d+\.\d+s", "Xs", text)
+        text = re.sub(r"g\d+-\w+", "GROUP", text)
+        return [line for line in text.splitlines() if "generated xml file" not in line]
+
+    assert normal(one) == normal(other)
+
+
+def test_a_handed_over_session_reports_what_its_own_session_reports(project: Path) -> None:
+    _session(project, "1", "first")  # runs here, starts the warm caller and the group
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    assert (handed.returncode, _verdicts(project, "handed")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )
+    assert _verdicts(project, "own") == {
+        "test_value": "passed",
+        "test_mode[none]": "passed",
+        "test_fails": "failure",
+        "test_skipped": "skipped",
+        "test_waits": "passed",
+    }
+    _same_output(handed.stdout, own.stdout)
+    assert handed.stderr == own.stderr
+
+
+def test_a_variable_the_modules_read_at_import_is_this_sessions(project: Path) -> None:
+    _session(project, "1", "first", HEAVY_MODE="a")
+    _wait_until_served_by_a_warm_caller(project)
+    other = _session(project, "1", "other", HEAVY_MODE="b")
+    own = _session(project, "0", "own", HEAVY_MODE="b")
+    assert _verdicts(project, "other") == _verdicts(project, "own")
+    assert _verdicts(project, "other")["test_mode[b]"] == "passed"
+    assert other.returncode == own.returncode == 1
+    assert "its imports read HEAVY_MODE, which differs" in _log(project)
+
+
+def test_an_edit_after_the_warm_caller_imported_is_seen(project: Path) -> None:
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    module = project / "heavy" / "__init__.py"
+    module.write_text(HEAVY.replace("VALUE = 1", "VALUE = 2"))
+    later = time.time_ns() + 2_000_000_000
+    os.utime(module, ns=(later, later))  # a later stamp even on a coarse clock
+    edited = _session(project, "1", "edited")
+    own = _session(project, "0", "own")
+    assert _served(project) >= 1, _log(project)
+    assert _verdicts(project, "edited") == _verdicts(project, "own")
+    assert _verdicts(project, "edited")["test_fails"] == "passed"
+    assert edited.returncode == own.returncode
+
+
+def _interrupted(project: Path, warm: str, how: signal.Signals) -> tuple[int, str, int]:
+    """A session whose test waits; ``how`` sent to the process the shell started once the
+    test runs. Returns the exit status, the output and the pid of the process that ran it."""
+    wait_file = project.parent / f"wait-{warm}-{how.name}"
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--cpq-world-size",
+        "1",
+        "-k",
+        "waits",
+    ]
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command,
+        cwd=project,
+        env=_env(project, warm, WAIT_FILE=str(wait_file)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's
+    )
+    while not Path(f"{wait_file}.started").exists():
+        assert process.poll() is None and time.monotonic() - started < 120, process.stdout
+        time.sleep(0.05)  # polling the file the test writes once it runs
+    runner = _session_process(project, process.pid)
+    process.send_signal(how)
+    out, _ = process.communicate(timeout=120)
+    wait_file.touch()  # whatever is left of the test ends
+    return process.returncode, out, runner
+
+
+def _session_process(project: Path, caller: int) -> int:
+    """The pid that runs the session: the warm caller's fork, else the caller itself."""
+    found = re.findall(r"session (\d+) started: ", _log(project))
+    return int(found[-1]) if found else caller
+
+
+def test_an_interrupt_ends_a_handed_over_session_as_it_ends_its_own(project: Path) -> None:
+    own_status, own_out, _ = _interrupted(project, "0", signal.SIGINT)
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    status, out, _runner = _interrupted(project, "1", signal.SIGINT)
+    assert _served(project) == 1, _log(project)
+    assert status == own_status == 2
+    assert "KeyboardInterrupt" in out and "KeyboardInterrupt" in own_out
+
+
+def test_killing_the_caller_kills_the_session_it_handed_over(project: Path) -> None:
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    status, _, runner = _interrupted(project, "1", signal.SIGKILL)
+    assert status == -signal.SIGKILL
+    assert _served(project) == 1, _log(project)
+    try:
+        session = psutil.Process(runner)
+    except psutil.NoSuchProcess:
+        return  # gone already
+    session.wait(timeout=30)  # psutil.TimeoutExpired: it outlived its caller

@@ -1,0 +1,150 @@
+"""The warm caller's pure parts: what a session plans, the messages and the plan file, the
+checks before a fork (cpq.caller, cpq.client.handoff). The processes themselves:
+tests/test_warm_caller.py."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import socket
+import sys
+import types
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from cpq.caller import server, wire
+from cpq.client import handoff
+
+
+def _module(name: str, loader: object | None, file: str | None = None) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = None if loader is None else importlib.machinery.ModuleSpec(name, loader)
+    if file is not None:
+        module.__file__ = file
+    return module
+
+
+class AssertionRewritingHook:  # the name is what pytest's hook is known by
+    pass
+
+
+def test_a_plan_keeps_import_order_and_leaves_out_what_pytest_imports_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source = importlib.machinery.SourceFileLoader("x", "/x.py")
+    fakes = {
+        "zz_lib": _module("zz_lib", source, "/site/zz_lib/__init__.py"),
+        "zz_lib._native": _module("zz_lib._native", None),  # made by its package: no spec
+        "zz_lib.core": _module("zz_lib.core", source, "/site/zz_lib/core.py"),
+        "zz_suite": _module("zz_suite", source, "/p/zz_suite/__init__.py"),
+        "zz_suite.test_one": _module("zz_suite.test_one", source, "/p/zz_suite/test_one.py"),
+        "zz_helpers": _module("zz_helpers", AssertionRewritingHook(), "/p/zz_helpers.py"),
+        "zz_conf": _module("zz_conf", source, "/p/conftest.py"),
+        "zz_app": _module("zz_app", source, "/p/zz_app.py"),
+    }
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    planned = [m for m in handoff.modules_to_plan(["test_*.py"]) if m.startswith("zz_")]
+    assert planned == ["zz_lib", "zz_lib.core", "zz_app"]
+    everything = handoff.modules_to_plan(["test_*.py"])
+    assert "json" not in everything and "pytest" not in everything and "cpq" not in everything
+
+
+def test_a_plan_file_round_trips_and_a_bad_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    monkeypatch.setenv("CPQ_STATE_DIR", str(state))
+    plan = wire.Plan("k1", ["a", "a.b"], ["/p"], "/p", {"X": "1"}, ["/usr/bin/python3"], 6.5)
+    written = plan.write()
+    assert oct(written.stat().st_mode & 0o777) == "0o600"
+    assert wire.Plan.read(written) == plan
+    written.write_text('{"v": 99}')
+    with pytest.raises(wire.WireError, match="plan version 99"):
+        wire.Plan.read(written)
+    written.write_text(
+        '{"v": 1, "key": "k", "modules": [1], "path": [], "cwd": "/", '
+        '"environ": {}, "interpreter": [], "start_s": 1.0}'
+    )
+    with pytest.raises(wire.WireError, match="lists of text"):
+        wire.Plan.read(written)
+    written.write_text("not json")
+    with pytest.raises(wire.WireError, match="unreadable plan"):
+        wire.Plan.read(written)
+
+
+def test_messages_carry_descriptors_and_junk_is_refused_with_its_descriptors_closed() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read_end, write_end = os.pipe()
+    try:
+        wire.send(left, {"argv": ["pytest"]}, [write_end])
+        message, fds = wire.recv(right, maxfds=3)
+        assert message == {"v": wire.VERSION, "argv": ["pytest"]}
+        assert len(fds) == 1
+        os.write(fds[0], b"through")  # the same pipe, another descriptor
+        os.close(fds[0])
+        assert os.read(read_end, 7) == b"through"
+
+        socket.send_fds(left, [msgpack.packb({"v": 0})], [write_end])
+        with pytest.raises(wire.WireError, match="not a version-1 message"):
+            wire.recv(right, maxfds=3)
+        left.sendall(b"\xc1")  # never valid msgpack
+        with pytest.raises(wire.WireError, match="undecodable"):
+            wire.recv(right)
+        left.close()
+        assert wire.recv(right) == (None, [])
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        right.close()
+
+
+@pytest.mark.parametrize(
+    "orig, expected",
+    [
+        (["python3", "-m", "pytest", "-q"], []),
+        (
+            ["python3", "-X", "importtime", "-W", "error", "-B", "-m", "pytest"],
+            ["-X", "importtime", "-W", "error", "-B"],
+        ),
+        (["/venv/bin/python", "-sE", "/venv/bin/pytest", "-x"], ["-sE"]),
+    ],
+)
+def test_the_warm_caller_starts_with_the_callers_interpreter_options(
+    monkeypatch: pytest.MonkeyPatch, orig: list[str], expected: list[str]
+) -> None:
+    monkeypatch.setattr(sys, "orig_argv", orig)
+    assert handoff._interpreter() == [sys.executable, *expected]
+
+
+@pytest.mark.parametrize(
+    "value, mode", [("", "auto"), ("auto", "auto"), ("0", "off"), ("off", "off"), ("1", "on")]
+)
+def test_the_variable_says_when(monkeypatch: pytest.MonkeyPatch, value: str, mode: str) -> None:
+    monkeypatch.setenv(wire.ENABLE_VAR, value)
+    assert handoff.mode() == mode
+
+
+def test_a_request_of_another_shape_is_refused_before_anything_forks() -> None:
+    good = {
+        "argv": ["pytest"],
+        "path": ["/p"],
+        "cwd": "/p",
+        "umask": 0o22,
+        "environ": {"A": "1"},
+        "streams": [None, {}, {}],
+    }
+    server._check_shape(good)
+    for field, bad in [("argv", "pytest"), ("cwd", 3), ("environ", {"A": 1}), ("streams", [])]:
+        with pytest.raises(server.Refused):
+            server._check_shape({**good, field: bad})
+
+
+def test_a_variable_the_imports_read_must_be_the_callers() -> None:
+    reads = {"HEAVY_MODE": "a", "UNSET_ONE": None}
+    assert server._stale_in(reads, {b"HEAVY_MODE": b"a"}) == ""
+    assert server._stale_in(reads, {b"HEAVY_MODE": b"b"}) == "HEAVY_MODE"
+    assert server._stale_in(reads, {b"HEAVY_MODE": b"a", b"UNSET_ONE": b""}) == "UNSET_ONE"
