@@ -141,7 +141,7 @@ def _served(project: Path) -> int:
 
 def _wait_until_served_by_a_warm_caller(project: Path) -> None:
     """The first session started a warm caller: wait until its socket answers."""
-    sockets = project.parent / "state" / "callers"
+    sockets = (project.parent / "state").resolve() / "callers"  # a socket path: 108 bytes
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for path in sockets.glob("*.sock"):
@@ -271,3 +271,28 @@ def test_killing_the_caller_kills_the_session_it_handed_over(project: Path) -> N
     except psutil.NoSuchProcess:
         return  # gone already
     session.wait(timeout=30)  # psutil.TimeoutExpired: it outlived its caller
+
+
+SPINNER = """
+import threading, time
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+STARTED = True
+"""
+
+
+def test_a_package_whose_import_starts_a_thread_is_left_to_the_session(project: Path) -> None:
+    """A fork copies one thread: a family whose import starts one is left out of the warm
+    caller (which starts again without it) and the session imports it itself."""
+    (project / "spinner.py").write_text(SPINNER)
+    conftest = project / "conftest.py"
+    conftest.write_text("import spinner\n" + conftest.read_text())
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    assert "leaving out spinner: its import started a thread" in _log(project)
+    assert (handed.returncode, _verdicts(project, "handed")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )

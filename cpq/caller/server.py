@@ -27,6 +27,7 @@ one then exits when its sessions are done, as it does after ``CPQ_WARM_CALLER_ID
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
@@ -44,6 +45,9 @@ from cpq.rank import ahead, boundary, freshness, importenv
 log = logging.getLogger("cpq.caller")
 
 _TICK_S = 0.5
+#: Families a project's warm callers leave out before they give up looking for the ones
+#: whose imports a fork cannot take.
+_MAX_EXCLUDED = 8
 
 
 class Refused(Exception):
@@ -71,20 +75,38 @@ class Server:
         self.listener: socket.socket | None = None
         self.inode = -1
 
-    def warm(self) -> None:
+    def warm(self) -> bool:
+        """Import the plan ahead. False when a family's imports did what a fork cannot take
+        (initialised CUDA, started a thread, changed ``sys.path``: :func:`cpq.rank.ahead.warm`
+        says which family): that family is then left out of this project's warm callers for
+        good (``KEY.exclude.json``) and this process starts again without it."""
         boundary.mark_ready()
         importenv.start_done()
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
-        ahead.plan(self.plan.modules, self.plan.path, self.plan.cwd, self.plan.environ)
-        self.reads = ahead.warm()
+        excluded = _read_excluded(self.plan.key)
+        modules = [m for m in self.plan.modules if m.partition(".")[0] not in excluded]
+        found: dict[str, str] = {}
+
+        def refused(family: list[str], why: str) -> None:
+            found[family[0].partition(".")[0]] = why
+
+        ahead.plan(modules, self.plan.path, self.plan.cwd, self.plan.environ)
+        self.reads = ahead.warm(on_refused=refused)
+        if found and len(excluded) < _MAX_EXCLUDED:
+            excluded.update(found)
+            _write_excluded(self.plan.key, excluded)
+            log.info("leaving out %s: its import %s; starting again", *next(iter(found.items())))
+            return False
         self.watch.scan(self.started_ns)
         log.info(
-            "warm in %.2fs: %d modules loaded, %s waiting to be imported",
+            "warm in %.2fs: %d modules loaded, %s waiting to be imported; left out: %s",
             time.perf_counter() - started,
             len(sys.modules),
             ", ".join(ahead.held())[:300] or "none",
+            ", ".join(f"{top} ({why})" for top, why in excluded.items())[:600] or "none",
         )
+        return True
 
     # ---- the socket
 
@@ -260,6 +282,27 @@ def _check_shape(message: dict[str, Any]) -> None:
         raise Refused("streams must describe stdin, stdout and stderr")
 
 
+def _excluded_path(key: str) -> Path:
+    return wire.folder() / f"{key}.exclude.json"
+
+
+def _read_excluded(key: str) -> dict[str, str]:
+    try:
+        raw = json.loads(_excluded_path(key).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): str(v) for k, v in raw.items()}
+
+
+def _write_excluded(key: str, excluded: dict[str, str]) -> None:
+    target = _excluded_path(key)
+    temporary = target.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(excluded))
+    os.replace(temporary, target)
+
+
 def identity() -> list[Any]:
     """The interpreter as a caller describes its own (``handoff._interpreter_identity``)."""
     return [
@@ -298,7 +341,8 @@ def main(argv: list[str]) -> int:
     import pytest  # noqa: F401  (the harness: every session's fork starts from it loaded)
 
     server = Server(plan_file, plan, started_ns)
-    server.warm()
+    if not server.warm():  # start again, without the family it left out
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     path = wire.socket_path(plan.key)
     try:
         server.listen(path)

@@ -210,14 +210,19 @@ class _Saved:
         carryover.put_switches({n: v for n, v in self.switches.items() if now.get(n) != v})
 
 
-def warm(task_waits: Callable[[], bool] = lambda: False) -> dict[str, str | None]:
+def warm(
+    task_waits: Callable[[], bool] = lambda: False,
+    on_refused: Callable[[list[str], str], None] | None = None,
+) -> dict[str, str | None]:
     """Make the planned imports and keep them aside (see the module docstring). Run by the
     main thread while the rank waits for work; never raises. A task that arrives meanwhile
     (``task_waits()``) ends it after the family being imported: what is done is kept.
 
     Returns every variable the imports read, with the value read: families that cannot
     leave ``sys.modules`` (an extension's, torch's) stay loaded, and a process that goes on
-    from here (the warm caller's fork) must check those in its own variables."""
+    from here (the warm caller's fork) must check those in its own variables.
+    The check of what cannot be put back runs after each family: the warm-up ends at the
+    first family that did such a thing, and ``on_refused(family, why)`` hears which."""
     global _plan
     plan, _plan = _plan, None
     drop("not imported by the session that just ended")  # the runtime did, unless a test
@@ -237,8 +242,16 @@ def warm(task_waits: Callable[[], bool] = lambda: False) -> dict[str, str | None
         for family in _families(plan.modules):
             if task_waits():
                 break
-            _step(family, parts)
-        why = saved.changed(plan)
+            try:
+                _step(family, parts)
+            except _Refused as refusal:
+                why = str(refusal)
+            why = why or saved.changed(plan)
+            if why:
+                if on_refused is not None:
+                    on_refused(family, why)
+                break
+        why = why or saved.changed(plan)
     except _Refused as refusal:
         why = str(refusal)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plan, never the rank
