@@ -155,9 +155,10 @@ def _wait_until_served_by_a_warm_caller(project: Path) -> None:
 
 def _same_output(one: str, other: str) -> None:
     def normal(text: str) -> list[str]:
-        text = re.sub(r"\d+\.\d+s", "Xs", text)
+        text = re.sub(r"\d+\.\d+s", "Xs", text).replace("handed.xml", "own.xml")
         text = re.sub(r"g\d+-\w+", "GROUP", text)
-        return [line for line in text.splitlines() if "generated xml file" not in line]
+        # the broker's line says what its groups are doing at that moment
+        return [line for line in text.splitlines() if not line.startswith("cpq: broker ")]
 
     assert normal(one) == normal(other)
 

@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from cpq.caller import wire
-from cpq.rank import ahead, boundary, freshness, importenv
+from cpq.rank import ahead, boundary, freshness, importenv, reset
 
 log = logging.getLogger("cpq.caller")
 
 _TICK_S = 0.5
-#: Families a project's warm callers leave out before they give up looking for the ones
+#: Modules a project's warm callers leave out before they give up looking for the ones
 #: whose imports a fork cannot take.
-_MAX_EXCLUDED = 8
+_MAX_EXCLUDED = 32
 
 
 class Refused(Exception):
@@ -76,27 +76,28 @@ class Server:
         self.inode = -1
 
     def warm(self) -> bool:
-        """Import the plan ahead. False when a family's imports did what a fork cannot take
-        (initialised CUDA, started a thread, changed ``sys.path``: :func:`cpq.rank.ahead.warm`
-        says which family): that family is then left out of this project's warm callers for
-        good (``KEY.exclude.json``) and this process starts again without it."""
+        """Import the plan ahead. False when a module's import did what a fork cannot take
+        or what cannot be replayed when the session imports it (initialised CUDA, started a
+        thread, changed ``sys.path`` or ``os.environ``): that module, and what its family
+        imports after it, is then left out of this project's warm callers for good
+        (``KEY.exclude.json``), and this process starts again without it."""
         boundary.mark_ready()
         importenv.start_done()
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
         excluded = _read_excluded(self.plan.key)
-        modules = [m for m in self.plan.modules if m.partition(".")[0] not in excluded]
         found: dict[str, str] = {}
-
-        def refused(family: list[str], why: str) -> None:
-            found[family[0].partition(".")[0]] = why
-
-        ahead.plan(modules, self.plan.path, self.plan.cwd, self.plan.environ)
-        self.reads = ahead.warm(on_refused=refused)
+        ahead.plan(
+            _without(self.plan.modules, excluded), self.plan.path, self.plan.cwd, self.plan.environ
+        )
+        self.reads = ahead.warm(after_import=lambda name: self._after_import(name, found))
         if found and len(excluded) < _MAX_EXCLUDED:
             excluded.update(found)
             _write_excluded(self.plan.key, excluded)
-            log.info("leaving out %s: its import %s; starting again", *next(iter(found.items())))
+            log.info(
+                "leaving out %s; starting again",
+                "; ".join(f"{name}: its import {why}" for name, why in found.items())[:1000],
+            )
             return False
         self.watch.scan(self.started_ns)
         log.info(
@@ -104,9 +105,29 @@ class Server:
             time.perf_counter() - started,
             len(sys.modules),
             ", ".join(ahead.held())[:300] or "none",
-            ", ".join(f"{top} ({why})" for top, why in excluded.items())[:600] or "none",
+            ", ".join(f"{name} ({why})" for name, why in excluded.items())[:600] or "none",
         )
         return True
+
+    def _after_import(self, name: str, found: dict[str, str]) -> bool:
+        """After each module imported ahead: note what it did that a fork cannot take; put
+        back what can be put back, so that one pass finds every such module (True: this
+        pass cannot go on)."""
+        why = ""
+        if sys.path != self.plan.path:
+            why = "changed sys.path"
+            sys.path[:] = self.plan.path
+        if dict(os.environ) != self.plan.environ:
+            why = why or "changed os.environ"
+            reset.set_environ(self.plan.environ)
+        stop = False
+        if threading.active_count() > 1:
+            why, stop = "started a thread", True
+        elif _cuda_initialised():
+            why, stop = "initialised CUDA", True
+        if why:
+            found[name] = why
+        return stop
 
     # ---- the socket
 
@@ -221,9 +242,7 @@ class Server:
         # Python thread, or CUDA initialised, would leave the fork broken.
         if threading.active_count() != 1:
             raise Refused("it runs a Python thread: a fork would copy one", fatal=True)
-        torch = sys.modules.get("torch")
-        cuda = getattr(torch, "cuda", None)
-        if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
+        if _cuda_initialised():
             raise Refused("CUDA is initialised: a fork could not use it", fatal=True)
 
     def _caller_gone(self, conn: socket.socket) -> None:
@@ -280,6 +299,26 @@ def _check_shape(message: dict[str, Any]) -> None:
     streams = message.get("streams")
     if not isinstance(streams, list) or len(streams) != 3:
         raise Refused("streams must describe stdin, stdout and stderr")
+
+
+def _without(modules: list[str], excluded: dict[str, str]) -> list[str]:
+    """``modules`` without each excluded one and what its family imported after it."""
+    cut: set[str] = set()
+    kept = []
+    for name in modules:
+        top = name.partition(".")[0]
+        if top in cut:
+            continue
+        if name in excluded:
+            cut.add(top)
+            continue
+        kept.append(name)
+    return kept
+
+
+def _cuda_initialised() -> bool:
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())
 
 
 def _excluded_path(key: str) -> Path:

@@ -212,7 +212,7 @@ class _Saved:
 
 def warm(
     task_waits: Callable[[], bool] = lambda: False,
-    on_refused: Callable[[list[str], str], None] | None = None,
+    after_import: Callable[[str], bool] | None = None,
 ) -> dict[str, str | None]:
     """Make the planned imports and keep them aside (see the module docstring). Run by the
     main thread while the rank waits for work; never raises. A task that arrives meanwhile
@@ -221,8 +221,10 @@ def warm(
     Returns every variable the imports read, with the value read: families that cannot
     leave ``sys.modules`` (an extension's, torch's) stay loaded, and a process that goes on
     from here (the warm caller's fork) must check those in its own variables.
-    The check of what cannot be put back runs after each family: the warm-up ends at the
-    first family that did such a thing, and ``on_refused(family, why)`` hears which."""
+    What cannot be put back is checked after each family (the warm-up ends at the first
+    that did such a thing); ``after_import(module)``, called after each module's import,
+    may end it there too (by returning True): the warm caller learns which module did what
+    a fork cannot take."""
     global _plan
     plan, _plan = _plan, None
     drop("not imported by the session that just ended")  # the runtime did, unless a test
@@ -242,14 +244,9 @@ def warm(
         for family in _families(plan.modules):
             if task_waits():
                 break
-            try:
-                _step(family, parts)
-            except _Refused as refusal:
-                why = str(refusal)
-            why = why or saved.changed(plan)
+            _step(family, parts, after_import)
+            why = saved.changed(plan)
             if why:
-                if on_refused is not None:
-                    on_refused(family, why)
                 break
         why = why or saved.changed(plan)
     except _Refused as refusal:
@@ -289,7 +286,9 @@ def _families(modules: list[str]) -> list[list[str]]:
     return list(by_top.values())
 
 
-def _step(family: list[str], parts: list[Part]) -> None:
+def _step(
+    family: list[str], parts: list[Part], after_import: Callable[[str], bool] | None = None
+) -> None:
     """Import one family's modules; what they load joins the part that holds the family, or
     a new one."""
     top = family[0].partition(".")[0]
@@ -317,6 +316,8 @@ def _step(family: list[str], parts: list[Part]) -> None:
                 refused[top] = f"importing {name} failed: {type(exc).__name__}: {exc}"[:300]
                 log.info("not importing %s ahead of sessions: %s", top, refused[top])
                 break
+            if after_import is not None and after_import(name):
+                raise _Refused(f"stopped after importing {name}")
         delta = _filter_delta(filters, list(warnings.filters))
     part.tops |= {name.partition(".")[0] for name in set(sys.modules) - before} | {top}
     for name, value in reads.items():
