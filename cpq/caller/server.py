@@ -74,6 +74,7 @@ class Server:
         self.last_used = time.monotonic()
         self.listener: socket.socket | None = None
         self.inode = -1
+        self._threads, self._cuda = 1, False  # as the last import ahead left them
 
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's import did what a fork cannot take
@@ -87,6 +88,7 @@ class Server:
         started = time.perf_counter()
         excluded = _read_excluded(self.plan.key)
         found: dict[str, str] = {}
+        self._threads, self._cuda = threading.active_count(), _cuda_initialised()
         ahead.plan(
             _without(self.plan.modules, excluded), self.plan.path, self.plan.cwd, self.plan.environ
         )
@@ -110,9 +112,10 @@ class Server:
         return True
 
     def _after_import(self, name: str, found: dict[str, str]) -> bool:
-        """After each module imported ahead: note what it did that a fork cannot take; put
-        back what can be put back, so that one pass finds every such module (True: this
-        pass cannot go on)."""
+        """After each module imported ahead: note what its import did that a fork cannot
+        take. What can be put back (``sys.path``, ``os.environ``) is, and the pass goes on;
+        so does it after a thread or CUDA (noted once: a later module doing it again shows
+        in the next pass). One pass thus finds most such modules."""
         why = ""
         if sys.path != self.plan.path:
             why = "changed sys.path"
@@ -120,14 +123,15 @@ class Server:
         if dict(os.environ) != self.plan.environ:
             why = why or "changed os.environ"
             reset.set_environ(self.plan.environ)
-        stop = False
-        if threading.active_count() > 1:
-            why, stop = "started a thread", True
-        elif _cuda_initialised():
-            why, stop = "initialised CUDA", True
+        threads, cuda = threading.active_count(), _cuda_initialised()
+        if threads > self._threads:
+            why = why or "started a thread"
+        elif cuda and not self._cuda:
+            why = why or "initialised CUDA"
+        self._threads, self._cuda = threads, cuda
         if why:
             found[name] = why
-        return stop
+        return False
 
     # ---- the socket
 

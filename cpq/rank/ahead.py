@@ -222,9 +222,10 @@ def warm(
     leave ``sys.modules`` (an extension's, torch's) stay loaded, and a process that goes on
     from here (the warm caller's fork) must check those in its own variables.
     What cannot be put back is checked after each family (the warm-up ends at the first
-    that did such a thing); ``after_import(module)``, called after each module's import,
-    may end it there too (by returning True): the warm caller learns which module did what
-    a fork cannot take."""
+    that did such a thing) — or, given ``after_import(module)``, called after each
+    module's import, by that function, which may end the warm-up there (by returning
+    True); the end's check stands either way. The warm caller learns so which module did
+    what a fork cannot take."""
     global _plan
     plan, _plan = _plan, None
     drop("not imported by the session that just ended")  # the runtime did, unless a test
@@ -245,7 +246,7 @@ def warm(
             if task_waits():
                 break
             _step(family, parts, after_import)
-            why = saved.changed(plan)
+            why = "" if after_import is not None else saved.changed(plan)
             if why:
                 break
         why = why or saved.changed(plan)
