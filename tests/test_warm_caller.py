@@ -101,7 +101,9 @@ def _env(project: Path, warm: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _session(project: Path, warm: str, name: str, **extra: str) -> subprocess.CompletedProcess[str]:
+def _session(
+    project: Path, warm: str, name: str, *args: str, **extra: str
+) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
         "-m",
@@ -112,6 +114,7 @@ def _session(project: Path, warm: str, name: str, **extra: str) -> subprocess.Co
         "1",
         f"--junitxml={project.parent / name}.xml",
         "-rA",
+        *args,
     ]
     return subprocess.run(
         command,
@@ -297,3 +300,23 @@ def test_a_package_whose_import_starts_a_thread_is_left_to_the_session(project: 
         own.returncode,
         _verdicts(project, "own"),
     )
+
+
+def test_an_xdist_session_is_handed_over_and_keeps_the_projects_warm_caller(
+    project: Path,
+) -> None:
+    """The xdist controller is the process the shell started: it is handed over (its workers
+    are its own children, started by the fork), and the fork plans under the same key (an
+    ini's ``pythonpath`` is on ``sys.path`` by the time the fork's plugin asks)."""
+    (project / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own", "-n", "2")
+    handed = _session(project, "1", "handed", "-n", "2")
+    assert _served(project) == 1, _log(project)
+    assert (handed.returncode, _verdicts(project, "handed")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )
+    plans = list((project.parent / "state").resolve().glob("callers/*.plan.json"))
+    assert len(plans) == 1, plans

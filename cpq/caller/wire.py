@@ -55,15 +55,16 @@ def folder() -> Path:
     return paths.ensure_private_dir(paths.state_dir() / "callers")
 
 
-def key_of(rootpath: str) -> str:
-    """The key of a calling process with this rootdir (see the module docstring)."""
+def key_of(rootpath: str, path: list[str]) -> str:
+    """The key of a calling process with this rootdir and this import path as its
+    interpreter set it up (see the module docstring)."""
     parts = [
         sys.executable,
         sys.version,
         list(sys.flags),
         sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
         list(sys.warnoptions),
-        sys.path[1:],
+        path[1:],
         rootpath,
     ]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]

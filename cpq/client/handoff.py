@@ -79,7 +79,7 @@ def at_start(config: Any) -> None:
         why = f"{type(exc).__name__}: {exc}"
     if why:
         return
-    key = wire.key_of(str(config.rootpath))
+    key = wire.key_of(str(config.rootpath), _start_path())
     _start.update(key=key, interpreter=_interpreter())
     if _served() is not None:
         return
