@@ -45,9 +45,6 @@ from cpq.rank import ahead, boundary, freshness, importenv, reset
 log = logging.getLogger("cpq.caller")
 
 _TICK_S = 0.5
-#: Modules a project's warm callers leave out before they give up looking for the ones
-#: whose imports a fork cannot take.
-_MAX_EXCLUDED = 32
 
 
 class Refused(Exception):
@@ -93,7 +90,7 @@ class Server:
             _without(self.plan.modules, excluded), self.plan.path, self.plan.cwd, self.plan.environ
         )
         self.reads = ahead.warm(after_import=lambda name: self._after_import(name, found))
-        if found and len(excluded) < _MAX_EXCLUDED:
+        if found:  # what it imported is not what a fork may take: never served as it is
             excluded.update(found)
             _write_excluded(self.plan.key, excluded)
             log.info(
@@ -325,22 +322,12 @@ def _cuda_initialised() -> bool:
     return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())
 
 
-def _excluded_path(key: str) -> Path:
-    return wire.folder() / f"{key}.exclude.json"
-
-
 def _read_excluded(key: str) -> dict[str, str]:
-    try:
-        raw = json.loads(_excluded_path(key).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {str(k): str(v) for k, v in raw.items()}
+    return wire.read_excluded(key)
 
 
 def _write_excluded(key: str, excluded: dict[str, str]) -> None:
-    target = _excluded_path(key)
+    target = wire.excluded_path(key)
     temporary = target.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(excluded))
     os.replace(temporary, target)
@@ -383,8 +370,14 @@ def main(argv: list[str]) -> int:
         return 2
     import pytest  # noqa: F401  (the harness: every session's fork starts from it loaded)
 
+    if wire.gave_up(plan.key):
+        log.info("not starting: %d modules of this project left out already", wire.MAX_EXCLUDED)
+        return 3
     server = Server(plan_file, plan, started_ns)
-    if not server.warm():  # start again, without the family it left out
+    if not server.warm():  # start again, without the modules it left out
+        if wire.gave_up(plan.key):
+            log.info("giving up: %d modules of this project left out", wire.MAX_EXCLUDED)
+            return 3
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     path = wire.socket_path(plan.key)
     try:

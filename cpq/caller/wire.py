@@ -70,6 +70,30 @@ def key_of(rootpath: str, path: list[str]) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
+#: Modules a project's warm callers leave out (``KEY.exclude.json``: imports a fork cannot
+#: take) before they give up on the project.
+MAX_EXCLUDED = 32
+
+
+def excluded_path(key: str) -> Path:
+    return folder() / f"{key}.exclude.json"
+
+
+def read_excluded(key: str) -> dict[str, str]:
+    """The modules left out of ``key``'s warm callers, and why (none when unreadable)."""
+    try:
+        raw = json.loads(excluded_path(key).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): str(v) for k, v in raw.items()}
+
+
+def gave_up(key: str) -> bool:
+    return len(read_excluded(key)) >= MAX_EXCLUDED
+
+
 def socket_path(key: str) -> Path:
     return folder() / f"{key}.sock"
 

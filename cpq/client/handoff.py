@@ -144,6 +144,8 @@ def _worth_it() -> bool:
 
 
 def _plan_and_spawn(config: Any, old: wire.Plan | None) -> None:
+    if wire.gave_up(_start["key"]):
+        return  # its imports a fork cannot take: no warm caller for this project
     start_s = float(_start.get("start_s", 0.0))
     plan = wire.Plan(
         key=_start["key"],
