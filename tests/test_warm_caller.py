@@ -213,7 +213,9 @@ def test_an_edit_after_the_warm_caller_imported_is_seen(project: Path) -> None:
     assert edited.returncode == own.returncode
 
 
-def _interrupted(project: Path, warm: str, how: signal.Signals) -> tuple[int, str, int]:
+def _interrupted(
+    project: Path, warm: str, how: signal.Signals, release: bool = True
+) -> tuple[int, str, int]:
     """A session whose test waits; ``how`` sent to the process the shell started once the
     test runs. Returns the exit status, the output and the pid of the process that ran it."""
     wait_file = project.parent / f"wait-{warm}-{how.name}"
@@ -244,7 +246,8 @@ def _interrupted(project: Path, warm: str, how: signal.Signals) -> tuple[int, st
     runner = _session_process(project, process.pid)
     process.send_signal(how)
     out, _ = process.communicate(timeout=120)
-    wait_file.touch()  # whatever is left of the test ends
+    if release:
+        wait_file.touch()  # whatever is left of the test ends
     return process.returncode, out, runner
 
 
@@ -267,14 +270,17 @@ def test_an_interrupt_ends_a_handed_over_session_as_it_ends_its_own(project: Pat
 def test_killing_the_caller_kills_the_session_it_handed_over(project: Path) -> None:
     _session(project, "1", "first")
     _wait_until_served_by_a_warm_caller(project)
-    status, _, runner = _interrupted(project, "1", signal.SIGKILL)
+    status, _, runner = _interrupted(project, "1", signal.SIGKILL, release=False)
     assert status == -signal.SIGKILL
     assert _served(project) == 1, _log(project)
-    try:
-        session = psutil.Process(runner)
-    except psutil.NoSuchProcess:
-        return  # gone already
-    session.wait(timeout=30)  # psutil.TimeoutExpired: it outlived its caller
+    # The test still waits for its file: only the warm caller's kill can have ended it.
+    deadline = time.monotonic() + 60
+    while f"session {runner} ended: wait status {int(signal.SIGKILL)}" not in _log(project):
+        assert time.monotonic() < deadline, _log(project)
+        time.sleep(0.1)  # polling the warm caller's log
+    assert f"session {runner}: its caller is gone" in _log(project)
+    assert not psutil.pid_exists(runner) or psutil.Process(runner).status() == "zombie"
+    (project.parent / "wait-1-SIGKILL").touch()  # the ranks' side of the test ends
 
 
 SPINNER = """

@@ -6,16 +6,16 @@ working directory, the umask, the CPU affinity, ``sys.argv``/``sys.orig_argv``, 
 path, ``__main__`` (pytest's, so ``multiprocessing``'s spawn re-imports the right one) and
 ``sys.stdin``/``stdout``/``stderr`` built over the new descriptors with the caller's
 encoding, error handler and buffering. Signal dispositions go back to an interpreter's
-own, or ignored where the caller's were (a shell's background job ignores ``SIGINT``).
-The fork leads a process group of its own, so the warm caller can kill what it started
-when the caller is killed. Then pytest runs exactly as ``python -m pytest`` runs it
-(``pytest.console_main``), and the fork exits the way an interpreter exits: non-daemon
-threads joined, ``atexit`` functions run, the streams flushed.
+own, or ignored where the caller's were (a shell's background job ignores ``SIGINT``),
+with the caller's signal mask; numpy's global generator is seeded anew. The fork leads a
+process group of its own, so the warm caller can kill what it started when the caller is
+killed. Then pytest runs exactly as ``python -m pytest`` runs it
+(``raise SystemExit(pytest.console_main())``), and the exit unwinds to the interpreter,
+which ends the fork as it ends any process.
 """
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import contextlib
 import importlib.util
@@ -25,27 +25,17 @@ import os
 import signal
 import socket
 import sys
-import threading
-import traceback
 import types
 from typing import Any, NoReturn
 
 from cpq.caller import wire
 from cpq.rank import reset
 
-_DEFAULT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGALRM")
-
 
 def become(message: dict[str, Any], fds: list[int], conn: socket.socket) -> NoReturn:
     conn.close()
     os.setpgid(0, 0)
-    for name in _DEFAULT_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start
-    for name in message.get("ignored") or ():  # what the caller's shell had it ignore
-        if name in _DEFAULT_SIGNALS or name == "SIGINT":
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    _set_signals(message)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -62,48 +52,44 @@ def become(message: dict[str, Any], fds: list[int], conn: socket.socket) -> NoRe
     _quiet_cpq_logging()
     _set_main(message.get("main") or {})
     _set_streams(message["streams"])
+    _reseed()
     wire.served = message
-    _run()
-
-
-def _run() -> NoReturn:
     import pytest
 
-    try:
-        code: Any = pytest.console_main()
-    except SystemExit as exc:
-        code = exc.code
-    except KeyboardInterrupt:  # as an interpreter ends on one: the traceback, then SIGINT
-        traceback.print_exc()
-        _finish()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        os._exit(130)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code
-    else:
-        print(code, file=sys.stderr)
-        status = 1
-    _finish()
-    os._exit(status & 0xFF)
+    # As ``python -m pytest`` ends: the exit unwinds to the interpreter, which joins
+    # non-daemon threads, runs atexit, flushes and closes what is open, and turns the
+    # code (or an uncaught KeyboardInterrupt) into the status (the warm caller's frames
+    # in between hold no cleanup: cpq/caller/server.py).
+    raise SystemExit(pytest.console_main())
 
 
-def _finish() -> None:
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()  # the interpreter joins non-daemon threads before atexit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            pass
+def _set_signals(message: dict[str, Any]) -> None:
+    """An interpreter's dispositions (``SIGINT`` raising, ``SIGPIPE`` and ``SIGXFSZ``
+    ignored, the rest default), ignored where the caller's were, the caller's mask."""
+    for number in signal.valid_signals():
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for name in message.get("ignored") or ():
+        if isinstance(name, str) and hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    mask = message.get("mask")
+    if isinstance(mask, list):
+        signal.pthread_sigmask(signal.SIG_SETMASK, [int(n) for n in mask])
+
+
+def _reseed() -> None:
+    """A fork copies its parent's generators; ``random`` reseeds itself after a fork, and
+    numpy's global one, seeded from the OS when numpy was imported, is seeded again here."""
+    numpy_random = getattr(sys.modules.get("numpy"), "random", None)
+    if numpy_random is not None:
+        with contextlib.suppress(Exception):
+            numpy_random.seed()
 
 
 def _quiet_cpq_logging() -> None:
@@ -137,19 +123,17 @@ def _set_streams(streams: list[Any]) -> None:
 
 
 def _text_stream(fd: int, name: str, info: Any) -> Any:
-    """What the interpreter builds over descriptor ``fd`` (``create_stdio``), with the
-    caller's settings; None where the caller had none."""
+    """What the interpreter builds over descriptor ``fd`` (``create_stdio``: ``io.open``
+    with the default buffer size, ``st_blksize``, or none under ``-u``), with the caller's
+    settings; None where the caller had none."""
     if not isinstance(info, dict):
         return None
     write = fd != 0
     mode = "w" if write else "r"
-    raw = io.FileIO(fd, mode + "b", closefd=False)
+    buffering = 0 if write and info.get("unbuffered") else -1
+    buffer: Any = io.open(fd, mode + "b", buffering=buffering, closefd=False)  # noqa: UP020, SIM115
+    raw = getattr(buffer, "raw", buffer)
     raw.name = f"<{name}>"
-    buffer: Any = raw
-    if write and not info.get("unbuffered"):
-        buffer = io.BufferedWriter(raw)
-    elif not write:
-        buffer = io.BufferedReader(raw)
     stream = io.TextIOWrapper(
         buffer,
         encoding=info.get("encoding"),

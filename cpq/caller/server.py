@@ -36,9 +36,11 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+from cpq import environ
 from cpq.caller import wire
 from cpq.rank import ahead, boundary, freshness, importenv, reset
 
@@ -71,7 +73,7 @@ class Server:
         self.last_used = time.monotonic()
         self.listener: socket.socket | None = None
         self.inode = -1
-        self._threads, self._cuda = 1, False  # as the last import ahead left them
+        self._state: dict[str, Any] = {}  # as the last import ahead left it
 
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's import did what a fork cannot take
@@ -85,11 +87,13 @@ class Server:
         started = time.perf_counter()
         excluded = _read_excluded(self.plan.key)
         found: dict[str, str] = {}
-        self._threads, self._cuda = threading.active_count(), _cuda_initialised()
+        self._state = _process_state()
         ahead.plan(
             _without(self.plan.modules, excluded), self.plan.path, self.plan.cwd, self.plan.environ
         )
         self.reads = ahead.warm(after_import=lambda name: self._after_import(name, found))
+        if ahead.last_refusal and not found:  # refused for what no import was seen doing
+            found["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
         if found:  # what it imported is not what a fork may take: never served as it is
             excluded.update(found)
             _write_excluded(self.plan.key, excluded)
@@ -110,9 +114,10 @@ class Server:
 
     def _after_import(self, name: str, found: dict[str, str]) -> bool:
         """After each module imported ahead: note what its import did that a fork cannot
-        take. What can be put back (``sys.path``, ``os.environ``) is, and the pass goes on;
-        so does it after a thread or CUDA (noted once: a later module doing it again shows
-        in the next pass). One pass thus finds most such modules."""
+        take, or that a hand-over could not replay. What can be put back is (``sys.path``,
+        ``os.environ``, the ``sys`` hooks, signal handlers, the root logger) and the pass goes
+        on; so does it after a thread or CUDA (noted once: a later module doing it again
+        shows in the next pass). One pass thus finds most such modules."""
         why = ""
         if sys.path != self.plan.path:
             why = "changed sys.path"
@@ -120,12 +125,21 @@ class Server:
         if dict(os.environ) != self.plan.environ:
             why = why or "changed os.environ"
             reset.set_environ(self.plan.environ)
-        threads, cuda = threading.active_count(), _cuda_initialised()
-        if threads > self._threads:
-            why = why or "started a thread"
-        elif cuda and not self._cuda:
-            why = why or "initialised CUDA"
-        self._threads, self._cuda = threads, cuda
+        state = _process_state()
+        for what, before in self._state.items():
+            after = state[what]
+            if what == "started a thread":
+                changed = bool(after - before)  # a thread that ended is no one's doing
+            elif what == "initialised CUDA":
+                changed = after and not before
+            else:
+                changed = after != before
+            if changed and what in _PUT_BACK:
+                why = why or f"changed {what}"
+                _PUT_BACK[what](before)
+            elif changed:
+                why = why or what
+        self._state = _process_state()
         if why:
             found[name] = why
         return False
@@ -142,9 +156,9 @@ class Server:
         listener.bind(str(mine))
         os.chmod(mine, 0o600)
         listener.listen(16)
+        self.inode = os.stat(mine).st_ino  # before the rename: a newer one may follow it
         os.replace(mine, path)
         self.listener = listener
-        self.inode = os.stat(path).st_ino
 
     def serve(self, path: Path) -> None:
         while self.listener is not None or self.children:
@@ -183,7 +197,11 @@ class Server:
 
     def _accept(self) -> None:
         assert self.listener is not None
-        conn, _ = self.listener.accept()
+        try:
+            conn, _ = self.listener.accept()
+        except OSError as exc:  # out of descriptors, say: that caller runs its own session
+            log.info("accept failed: %s", exc)
+            return
         conn.settimeout(5.0)
         fds: list[int] = []
         try:
@@ -192,22 +210,26 @@ class Server:
                 conn.close()
                 return
             self._check(message, fds)
+            pid = os.fork()
         except Refused as refused:
             self._refuse(conn, fds, str(refused), refused.fatal)
             return
-        except (OSError, wire.WireError) as exc:
-            self._refuse(conn, fds, f"unreadable request: {exc}", False)
+        except Exception as exc:  # one request's trouble, never the others' sessions
+            self._refuse(conn, fds, f"{type(exc).__name__}: {exc}", False)
             return
-        self.last_used = time.monotonic()
-        pid = os.fork()
         if pid == 0:  # the fork: becomes the calling process and never comes back here
             try:
                 from cpq.caller import child
 
                 self._forget_sockets(keep=conn)
                 child.become(message, fds, conn)
-            finally:
-                os._exit(70)
+            except SystemExit:
+                raise  # the session's end: the interpreter exits as a fresh one does
+            except BaseException:
+                traceback.print_exc()  # on the caller's stderr once it is in place
+            os._exit(70)
+        with contextlib.suppress(OSError):  # the fork may have done it already
+            os.setpgid(pid, pid)
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):  # the caller is gone: _caller_gone kills the fork
@@ -238,6 +260,9 @@ class Server:
         variable = _stale_in(self.reads, environ) or importenv.differs(environ)[0]
         if variable:
             raise Refused(f"its imports read {variable}, which differs for this session")
+        variable = _start_var_differs(self.plan.environ, message["environ"])
+        if variable:  # read natively at start (LD_PRELOAD, OMP_*, PYTHONHASHSEED): not seen above
+            raise Refused(f"the start variable {variable} differs for this session")
         # A fork copies one thread. Native threads a library starts at import (torch's) are
         # what every fork-based worker of that library lives with (torch's DataLoader); a
         # Python thread, or CUDA initialised, would leave the fork broken.
@@ -302,6 +327,50 @@ def _check_shape(message: dict[str, Any]) -> None:
         raise Refused("streams must describe stdin, stdout and stderr")
 
 
+_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
+
+
+def _process_state() -> dict[str, Any]:
+    """What an import may change that a fork cannot take or a hand-over cannot replay."""
+    return {
+        "the sys hooks": {name: getattr(sys, name, None) for name in _HOOKS},
+        "threading.excepthook": threading.excepthook,
+        "signal handlers": {
+            s: signal.getsignal(s)
+            for s in signal.valid_signals()
+            if s not in (signal.SIGKILL, signal.SIGSTOP)
+        },
+        "the root logger": (logging.root.level, list(logging.root.handlers)),
+        "started a thread": set(threading.enumerate()),
+        "initialised CUDA": _cuda_initialised(),
+    }
+
+
+def _put_hooks(hooks: dict[str, Any]) -> None:
+    for name, hook in hooks.items():
+        setattr(sys, name, hook)
+
+
+def _put_signals(handlers: dict[Any, Any]) -> None:
+    for number, handler in handlers.items():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            signal.signal(number, handler)
+
+
+def _put_root_logger(saved: tuple[int, list[Any]]) -> None:
+    logging.root.setLevel(saved[0])
+    logging.root.handlers[:] = saved[1]
+
+
+#: What :meth:`Server._after_import` puts back after noting the module that changed it.
+_PUT_BACK: dict[str, Any] = {
+    "the sys hooks": _put_hooks,
+    "threading.excepthook": lambda hook: setattr(threading, "excepthook", hook),
+    "signal handlers": _put_signals,
+    "the root logger": _put_root_logger,
+}
+
+
 def _without(modules: list[str], excluded: dict[str, str]) -> list[str]:
     """``modules`` without each excluded one and what its family imported after it."""
     cut: set[str] = set()
@@ -342,6 +411,15 @@ def identity() -> list[Any]:
         sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
         list(sys.warnoptions),
     ]
+
+
+def _start_var_differs(mine: dict[str, str], theirs: dict[str, str]) -> str:
+    """The first start variable (``environ.is_start_var``) whose value differs ("" when
+    none does)."""
+    for name in sorted(set(mine) | set(theirs)):
+        if environ.is_start_var(name) and mine.get(name) != theirs.get(name):
+            return name
+    return ""
 
 
 def _stale_in(reads: dict[str, str | None], environ: dict[bytes, bytes]) -> str:

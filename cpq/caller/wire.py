@@ -91,7 +91,10 @@ def read_excluded(key: str) -> dict[str, str]:
 
 
 def gave_up(key: str) -> bool:
-    return len(read_excluded(key)) >= MAX_EXCLUDED
+    """Whether ``key``'s project gets no warm caller: too many modules left out, or a
+    warm-up refused for what no single import was seen doing (``"*"``)."""
+    excluded = read_excluded(key)
+    return len(excluded) >= MAX_EXCLUDED or "*" in excluded
 
 
 def socket_path(key: str) -> Path:

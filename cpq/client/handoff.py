@@ -45,6 +45,11 @@ _START_ENV = {k: v for k, v in os.environ.items() if k != "PYTEST_VERSION"}  # m
 _start: dict[str, Any] = {}
 
 _RELAYED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH", "SIGCONT")
+_ALL_SIGNALS = tuple(
+    s.name
+    for s in signal.valid_signals()
+    if isinstance(s, signal.Signals) and s not in (signal.SIGKILL, signal.SIGSTOP)
+)
 
 
 def mode() -> str:
@@ -94,6 +99,9 @@ def at_start(config: Any) -> None:
         capture.suspend_global_capture(in_=True)
     try:
         _start["refused"] = _hand_over(sock)  # returns only when refused
+    except Exception as exc:  # a message that cannot be sent (text that is not UTF-8)
+        sock.close()
+        _start["refused"] = f"{type(exc).__name__}: {exc}"
     finally:
         if capture is not None:
             capture.resume_global_capture()
@@ -182,8 +190,12 @@ def why_not(config: Any) -> str:
         return "an xdist worker or a launcher's rank"
     if getattr(options, "usepdb", False) or getattr(options, "trace", False):
         return "a debugger may read the terminal"
-    if sys.gettrace() is not None or sys.getprofile() is not None:
+    if sys.gettrace() is not None or sys.getprofile() is not None or _monitored():
         return "traced"
+    if sys.flags.interactive or sys.flags.verbose or "importtime" in sys._xoptions:
+        return "interpreter options that watch this process (-i, -v, -X importtime)"
+    if _inherited_descriptors():
+        return f"descriptors {_inherited_descriptors()} passed to it (3>file, /dev/fd/N)"
     if getattr(options, "cov_source", None) or any(k.startswith("COV_CORE_") for k in os.environ):
         return "under coverage"
     if _main_info() is None:
@@ -194,6 +206,30 @@ def why_not(config: Any) -> str:
         except OSError:
             return f"no descriptor {fd}"
     return ""
+
+
+def _monitored() -> bool:
+    """A ``sys.monitoring`` tool in use (Python 3.12+: cProfile, coverage's sysmon core)."""
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is None:
+        return False
+    return any(monitoring.get_tool(tool) is not None for tool in range(6))
+
+
+def _inherited_descriptors() -> list[int]:
+    """Descriptors above 2 a child would inherit: what the shell passed this process (the
+    fork gets 0-2 only)."""
+    try:
+        numbers = sorted(int(n) for n in os.listdir("/proc/self/fd"))
+    except OSError:
+        return []
+    found = []
+    for fd in numbers:
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                if os.get_inheritable(fd):
+                    found.append(fd)
+    return found
 
 
 # ---------------------------------------------------------------------------- handing over
@@ -215,7 +251,8 @@ def _hand_over(sock: socket.socket) -> str:
         "main": _main_info(),
         "interpreter": _interpreter_identity(),
         "pid": os.getpid(),
-        "ignored": [name for name in _RELAYED if _ignored(name)],
+        "ignored": [name for name in _ALL_SIGNALS if _ignored(name)],
+        "mask": sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     }
     try:
         wire.send(sock, message, [0, 1, 2])

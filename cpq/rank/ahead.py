@@ -104,6 +104,8 @@ _plan: Plan | None = None
 _parts: dict[str, Part] = {}
 #: top-level name -> why it is not imported ahead in this rank any more.
 refused: dict[str, str] = {}
+#: Why the last warm-up kept nothing ("" when it kept what it imported).
+last_refusal = ""
 #: What became of the last modules imported ahead, said at the next warm-up (a session's
 #: pytest captures the rank's log while it imports).
 _fate: dict[str, int | str] = {}
@@ -226,8 +228,9 @@ def warm(
     module's import, by that function, which may end the warm-up there (by returning
     True); the end's check stands either way. The warm caller learns so which module did
     what a fork cannot take."""
-    global _plan
+    global _plan, last_refusal
     plan, _plan = _plan, None
+    last_refusal = ""
     drop("not imported by the session that just ended")  # the runtime did, unless a test
     if _fate:
         log.info("the modules imported ahead of the last session: %s", _said(_fate))
@@ -258,6 +261,7 @@ def warm(
     saved.put_back()
     reads = {name: value for part in parts for name, value in part.reads.items()}
     tops = {name.partition(".")[0] for name in detached.modules}
+    last_refusal = why
     if why or not tops:
         for top in tops | {name.partition(".")[0] for name in plan.modules}:
             refused[top] = why or "nothing to keep"
