@@ -251,7 +251,7 @@ class Server:
         if len(fds) != 3:
             raise Refused(f"expected the 3 standard descriptors, got {len(fds)}")
         _check_shape(message)
-        if message.get("interpreter") != identity():
+        if message.get("interpreter") != wire.interpreter_identity():
             raise Refused("another interpreter or other interpreter options")
         changed = self.watch.changed()
         if changed:
@@ -400,17 +400,6 @@ def _write_excluded(key: str, excluded: dict[str, str]) -> None:
     temporary = target.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(excluded))
     os.replace(temporary, target)
-
-
-def identity() -> list[Any]:
-    """The interpreter as a caller describes its own (``handoff._interpreter_identity``)."""
-    return [
-        sys.executable,
-        sys.version,
-        list(sys.flags),
-        sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
-        list(sys.warnoptions),
-    ]
 
 
 def _start_var_differs(mine: dict[str, str], theirs: dict[str, str]) -> str:

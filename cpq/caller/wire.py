@@ -97,6 +97,17 @@ def gave_up(key: str) -> bool:
     return len(excluded) >= MAX_EXCLUDED or "*" in excluded
 
 
+def interpreter_identity() -> list[Any]:
+    """The interpreter, as a caller sends it and the warm caller compares it with its own."""
+    return [
+        sys.executable,
+        sys.version,
+        list(sys.flags),
+        sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
+        list(sys.warnoptions),
+    ]
+
+
 def socket_path(key: str) -> Path:
     return folder() / f"{key}.sock"
 

@@ -249,7 +249,7 @@ def _hand_over(sock: socket.socket) -> str:
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "streams": [_stream_info(s) for s in (sys.stdin, sys.stdout, sys.stderr)],
         "main": _main_info(),
-        "interpreter": _interpreter_identity(),
+        "interpreter": wire.interpreter_identity(),
         "pid": os.getpid(),
         "ignored": [name for name in _ALL_SIGNALS if _ignored(name)],
         "mask": sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
@@ -341,16 +341,6 @@ def _interpreter() -> list[str]:
             i += 1
         i += 1
     return [sys.executable, *options]
-
-
-def _interpreter_identity() -> list[Any]:
-    return [
-        sys.executable,
-        sys.version,
-        list(sys.flags),
-        sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
-        list(sys.warnoptions),
-    ]
 
 
 # ---------------------------------------------------------------------------- the plan
