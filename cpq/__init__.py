@@ -3,6 +3,11 @@
 The names below are handed on lazily (PEP 562): ``import cpq.broker.loop`` or
 ``python -m cpq.rank`` imports this package first, and must not load the client's code
 (docs/design.md "Module map"). ``from cpq import Client`` loads the client then.
+
+PYTEST_DONT_REWRITE: cpq's asserts are its own, not a test's. A session the warm caller
+hands over has this package loaded before pytest marks the plugins' packages for assertion
+rewriting, which would warn there ("already imported") and not in a fresh process where
+the install lists the package's files (an ``egg-info`` beside the source).
 """
 
 from __future__ import annotations

@@ -290,18 +290,26 @@ STARTED = True
 """
 
 
-def test_a_package_whose_import_starts_a_thread_is_left_to_the_session(project: Path) -> None:
-    """A fork copies one thread: a family whose import starts one is left out of the warm
-    caller (which starts again without it) and the session imports it itself."""
+def test_a_module_whose_import_starts_a_thread_is_left_to_the_session_with_its_users(
+    project: Path,
+) -> None:
+    """A fork copies one thread: a module whose code starts one is left out of the warm
+    caller, and so is every module that needs it (here two: the second imports it when it
+    is loaded already). One pass finds them all, so the warm caller starts again once; the
+    session imports them itself."""
     (project / "spinner.py").write_text(SPINNER)
+    (project / "spins.py").write_text("import spinner\n")
+    (project / "spins_too.py").write_text("from spinner import STARTED\n")
     conftest = project / "conftest.py"
-    conftest.write_text("import spinner\n" + conftest.read_text())
+    conftest.write_text("import spins, spins_too\n" + conftest.read_text())
     _session(project, "1", "first")
     _wait_until_served_by_a_warm_caller(project)
     own = _session(project, "0", "own")
     handed = _session(project, "1", "handed")
     assert _served(project) == 1, _log(project)
-    assert "leaving out spinner: its import started a thread" in _log(project)
+    log_text = _log(project)
+    assert "leaving out spinner: its code started a thread, and 2 modules" in log_text, log_text
+    assert log_text.count("starting again") == 1, log_text
     assert (handed.returncode, _verdicts(project, "handed")) == (
         own.returncode,
         _verdicts(project, "own"),

@@ -27,7 +27,6 @@ one then exits when its sessions are done, as it does after ``CPQ_WARM_CALLER_ID
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -41,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from cpq import environ
-from cpq.caller import wire
-from cpq.rank import ahead, boundary, freshness, importenv, reset
+from cpq.caller import blame, wire
+from cpq.rank import ahead, boundary, freshness, importenv
 
 log = logging.getLogger("cpq.caller")
 
@@ -73,33 +72,48 @@ class Server:
         self.last_used = time.monotonic()
         self.listener: socket.socket | None = None
         self.inode = -1
-        self._state: dict[str, Any] = {}  # as the last import ahead left it
 
     def warm(self) -> bool:
-        """Import the plan ahead. False when a module's import did what a fork cannot take
+        """Import the plan ahead. False when a module's own code did what a fork cannot take
         or what cannot be replayed when the session imports it (initialised CUDA, started a
-        thread, changed ``sys.path`` or ``os.environ``): that module, and what its family
-        imports after it, is then left out of this project's warm callers for good
-        (``KEY.exclude.json``), and this process starts again without it."""
+        thread, changed ``sys.path``, ``os.environ``, the ``sys`` hooks, signal handlers or
+        the root logger): that module, and every module that needs it, is then left out of
+        this project's warm callers for good (``KEY.exclude.json``, :mod:`cpq.caller.blame`),
+        and this process starts again without them. What can be put back is, after each of
+        the plan's entries, and the pass goes on: one pass finds them all."""
         boundary.mark_ready()
         importenv.start_done()
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
-        excluded = _read_excluded(self.plan.key)
-        found: dict[str, str] = {}
-        self._state = _process_state()
+        left_out = wire.read_left_out(self.plan.key)
+        blame_ = blame.Blame()
+        start = blame.snapshot()
+        start.update({"sys.path": self.plan.path, "os.environ": self.plan.environ})
+
+        def after_import(name: str) -> bool:
+            blame_.look(fallback=name)
+            blame.put_back(start)
+            blame_.again()
+            return False
+
         ahead.plan(
-            _without(self.plan.modules, excluded), self.plan.path, self.plan.cwd, self.plan.environ
+            [name for name in self.plan.modules if name not in left_out],
+            self.plan.path,
+            self.plan.cwd,
+            self.plan.environ,
         )
-        self.reads = ahead.warm(after_import=lambda name: self._after_import(name, found))
-        if ahead.last_refusal and not found:  # refused for what no import was seen doing
-            found["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
-        if found:  # what it imported is not what a fork may take: never served as it is
-            excluded.update(found)
-            _write_excluded(self.plan.key, excluded)
+        with blame_.watching():
+            self.reads = ahead.warm(after_import=after_import)
+        if ahead.last_refusal and not blame_.blamed:  # refused for what no import was seen doing
+            blame_.blamed["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
+        if blame_.blamed:  # what it imported is not what a fork may take: never served as it is
+            left_out.blamed.update(blame_.blamed)
+            left_out.needing.update(blame_.needing())
+            wire.write_left_out(self.plan.key, left_out)
             log.info(
-                "leaving out %s; starting again",
-                "; ".join(f"{name}: its import {why}" for name, why in found.items())[:1000],
+                "leaving out %s, and %d modules that need them; starting again",
+                "; ".join(f"{name}: its code {why}" for name, why in blame_.blamed.items())[:1000],
+                len(left_out.needing),
             )
             return False
         self.watch.scan(self.started_ns)
@@ -108,41 +122,9 @@ class Server:
             time.perf_counter() - started,
             len(sys.modules),
             ", ".join(ahead.held())[:300] or "none",
-            ", ".join(f"{name} ({why})" for name, why in excluded.items())[:600] or "none",
+            ", ".join(f"{name} ({why})" for name, why in left_out.blamed.items())[:600] or "none",
         )
         return True
-
-    def _after_import(self, name: str, found: dict[str, str]) -> bool:
-        """After each module imported ahead: note what its import did that a fork cannot
-        take, or that a hand-over could not replay. What can be put back is (``sys.path``,
-        ``os.environ``, the ``sys`` hooks, signal handlers, the root logger) and the pass goes
-        on; so does it after a thread or CUDA (noted once: a later module doing it again
-        shows in the next pass). One pass thus finds most such modules."""
-        why = ""
-        if sys.path != self.plan.path:
-            why = "changed sys.path"
-            sys.path[:] = self.plan.path
-        if dict(os.environ) != self.plan.environ:
-            why = why or "changed os.environ"
-            reset.set_environ(self.plan.environ)
-        state = _process_state()
-        for what, before in self._state.items():
-            after = state[what]
-            if what == "started a thread":
-                changed = bool(after - before)  # a thread that ended is no one's doing
-            elif what == "initialised CUDA":
-                changed = after and not before
-            else:
-                changed = after != before
-            if changed and what in _PUT_BACK:
-                why = why or f"changed {what}"
-                _PUT_BACK[what](before)
-            elif changed:
-                why = why or what
-        self._state = _process_state()
-        if why:
-            found[name] = why
-        return False
 
     # ---- the socket
 
@@ -268,7 +250,7 @@ class Server:
         # Python thread, or CUDA initialised, would leave the fork broken.
         if threading.active_count() != 1:
             raise Refused("it runs a Python thread: a fork would copy one", fatal=True)
-        if _cuda_initialised():
+        if blame.cuda_initialised():
             raise Refused("CUDA is initialised: a fork could not use it", fatal=True)
 
     def _caller_gone(self, conn: socket.socket) -> None:
@@ -327,81 +309,6 @@ def _check_shape(message: dict[str, Any]) -> None:
         raise Refused("streams must describe stdin, stdout and stderr")
 
 
-_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
-
-
-def _process_state() -> dict[str, Any]:
-    """What an import may change that a fork cannot take or a hand-over cannot replay."""
-    return {
-        "the sys hooks": {name: getattr(sys, name, None) for name in _HOOKS},
-        "threading.excepthook": threading.excepthook,
-        "signal handlers": {
-            s: signal.getsignal(s)
-            for s in signal.valid_signals()
-            if s not in (signal.SIGKILL, signal.SIGSTOP)
-        },
-        "the root logger": (logging.root.level, list(logging.root.handlers)),
-        "started a thread": set(threading.enumerate()),
-        "initialised CUDA": _cuda_initialised(),
-    }
-
-
-def _put_hooks(hooks: dict[str, Any]) -> None:
-    for name, hook in hooks.items():
-        setattr(sys, name, hook)
-
-
-def _put_signals(handlers: dict[Any, Any]) -> None:
-    for number, handler in handlers.items():
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            signal.signal(number, handler)
-
-
-def _put_root_logger(saved: tuple[int, list[Any]]) -> None:
-    logging.root.setLevel(saved[0])
-    logging.root.handlers[:] = saved[1]
-
-
-#: What :meth:`Server._after_import` puts back after noting the module that changed it.
-_PUT_BACK: dict[str, Any] = {
-    "the sys hooks": _put_hooks,
-    "threading.excepthook": lambda hook: setattr(threading, "excepthook", hook),
-    "signal handlers": _put_signals,
-    "the root logger": _put_root_logger,
-}
-
-
-def _without(modules: list[str], excluded: dict[str, str]) -> list[str]:
-    """``modules`` without each excluded one and what its family imported after it."""
-    cut: set[str] = set()
-    kept = []
-    for name in modules:
-        top = name.partition(".")[0]
-        if top in cut:
-            continue
-        if name in excluded:
-            cut.add(top)
-            continue
-        kept.append(name)
-    return kept
-
-
-def _cuda_initialised() -> bool:
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())
-
-
-def _read_excluded(key: str) -> dict[str, str]:
-    return wire.read_excluded(key)
-
-
-def _write_excluded(key: str, excluded: dict[str, str]) -> None:
-    target = wire.excluded_path(key)
-    temporary = target.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(excluded))
-    os.replace(temporary, target)
-
-
 def _start_var_differs(mine: dict[str, str], theirs: dict[str, str]) -> str:
     """The first start variable (``environ.is_start_var``) whose value differs ("" when
     none does)."""
@@ -438,12 +345,12 @@ def main(argv: list[str]) -> int:
     import pytest  # noqa: F401  (the harness: every session's fork starts from it loaded)
 
     if wire.gave_up(plan.key):
-        log.info("not starting: %d modules of this project left out already", wire.MAX_EXCLUDED)
+        log.info("not starting: this project's imports cannot be taken by a fork")
         return 3
     server = Server(plan_file, plan, started_ns)
     if not server.warm():  # start again, without the modules it left out
         if wire.gave_up(plan.key):
-            log.info("giving up: %d modules of this project left out", wire.MAX_EXCLUDED)
+            log.info("giving up: %s", wire.read_left_out(plan.key).blamed)
             return 3
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     path = wire.socket_path(plan.key)

@@ -70,31 +70,58 @@ def key_of(rootpath: str, path: list[str]) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
-#: Modules a project's warm callers leave out (``KEY.exclude.json``: imports a fork cannot
-#: take) before they give up on the project.
-MAX_EXCLUDED = 32
+#: Modules blamed (:mod:`cpq.caller.blame`) before a project's warm callers give up on it.
+MAX_BLAMED = 32
+
+
+@dataclass
+class LeftOut:
+    """What a project's warm callers leave out (``KEY.exclude.json``): the modules whose own
+    code did what a fork cannot take (name -> what), and those that need one of them
+    (name -> the blamed module). ``"*"`` blamed: a refusal no import explained."""
+
+    blamed: dict[str, str] = field(default_factory=dict)
+    needing: dict[str, str] = field(default_factory=dict)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.blamed or name in self.needing
+
+    def gave_up(self) -> bool:
+        """Whether the project gets no warm caller: too many modules blamed, or a warm-up
+        refused for what no import was seen doing."""
+        return len(self.blamed) >= MAX_BLAMED or "*" in self.blamed
 
 
 def excluded_path(key: str) -> Path:
     return folder() / f"{key}.exclude.json"
 
 
-def read_excluded(key: str) -> dict[str, str]:
-    """The modules left out of ``key``'s warm callers, and why (none when unreadable)."""
+def read_left_out(key: str) -> LeftOut:
+    """What ``key``'s warm callers leave out (nothing when unreadable)."""
     try:
         raw = json.loads(excluded_path(key).read_text())
     except (OSError, ValueError):
-        return {}
+        return LeftOut()
     if not isinstance(raw, dict):
-        return {}
-    return {str(k): str(v) for k, v in raw.items()}
+        return LeftOut()
+    blamed, needing = raw.get("blamed"), raw.get("needing")
+    if not isinstance(blamed, dict) or not isinstance(needing, dict):
+        return LeftOut()
+    return LeftOut(
+        {str(k): str(v) for k, v in blamed.items()}, {str(k): str(v) for k, v in needing.items()}
+    )
+
+
+def write_left_out(key: str, left_out: LeftOut) -> None:
+    target = excluded_path(key)
+    temporary = target.with_name(f"{target.name}.{os.getpid()}")
+    temporary.write_text(json.dumps({"blamed": left_out.blamed, "needing": left_out.needing}))
+    os.replace(temporary, target)
 
 
 def gave_up(key: str) -> bool:
-    """Whether ``key``'s project gets no warm caller: too many modules left out, or a
-    warm-up refused for what no single import was seen doing (``"*"``)."""
-    excluded = read_excluded(key)
-    return len(excluded) >= MAX_EXCLUDED or "*" in excluded
+    """Whether ``key``'s project gets no warm caller (:meth:`LeftOut.gave_up`)."""
+    return read_left_out(key).gave_up()
 
 
 def interpreter_identity() -> list[Any]:

@@ -1,0 +1,239 @@
+"""Whose import did what a fork cannot take, and which modules need it: the warm caller's
+one pass that finds every module to leave out (docs/design.md, "The warm caller").
+
+A warm-up pass imports the plan's modules in order and, after each, looks at what the
+process is now: the import path, the variables, the ``sys`` hooks, signal handlers, the root
+logger, its threads, CUDA (:func:`snapshot`). Blaming the plan's entry for a change is too
+coarse: an entry such as ``distutils.compat`` only imports ``setuptools``, whose own code
+extends ``sys.path``; once ``setuptools`` is loaded, the next entry that needs it shows no
+change, so each pass found one more entry and Megatron-LM's warm caller took five passes
+(~50 s on the GPU host) before it served. Instead, while a pass runs, a :class:`Blame`
+
+1. **blames the module whose own code was running** when the change happened: a finder
+   first in ``sys.meta_path`` brackets the execution of every module the pass loads, and
+   the process is looked at each time one starts or ends (the module then is the innermost
+   whose body runs: a call into torch from a module's body is that module's doing);
+2. **records who imports whom**: every import statement (through ``builtins.__import__``,
+   also of a module loaded already), every module executed while another's body runs, and a
+   submodule needs its package;
+
+so that :meth:`Blame.needing` names, in the same pass, every module that needs a blamed
+one, directly or not. The next pass imports neither and is served. A dependency the record
+cannot see (``importlib.import_module`` of a module loaded already) shows in the next pass:
+the blamed module runs again there, under the module that needs it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
+
+State = dict[str, Any]
+
+
+def snapshot() -> State:
+    """What an import may change that a fork cannot take or a hand-over cannot replay."""
+    return {
+        "sys.path": list(sys.path),
+        "os.environ": dict(os.environ),
+        "the sys hooks": {name: getattr(sys, name, None) for name in _HOOKS},
+        "threading.excepthook": threading.excepthook,
+        "signal handlers": {
+            s: signal.getsignal(s)
+            for s in signal.valid_signals()
+            if s not in (signal.SIGKILL, signal.SIGSTOP)
+        },
+        "the root logger": (logging.root.level, list(logging.root.handlers)),
+        "started a thread": set(threading.enumerate()),
+        "initialised CUDA": cuda_initialised(),
+    }
+
+
+def changes(before: State, after: State) -> list[str]:
+    """What changed from ``before`` to ``after``, in words ("changed sys.path")."""
+    found = []
+    for what, was in before.items():
+        now = after[what]
+        if what == "started a thread":
+            if now - was:  # a thread that ended is no one's doing
+                found.append(what)
+        elif what == "initialised CUDA":
+            if now and not was:
+                found.append(what)
+        elif now != was:
+            found.append(f"changed {what}")
+    return found
+
+
+def put_back(before: State) -> None:
+    """Put back what can be (all but threads and CUDA) as it was in ``before``."""
+    from cpq.rank import reset  # the rank's one way of setting os.environ in place
+
+    sys.path[:] = before["sys.path"]
+    if dict(os.environ) != before["os.environ"]:
+        reset.set_environ(before["os.environ"])
+    for name, hook in before["the sys hooks"].items():
+        setattr(sys, name, hook)
+    threading.excepthook = before["threading.excepthook"]
+    for number, handler in before["signal handlers"].items():
+        if signal.getsignal(number) is not handler:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(number, handler)
+    level, handlers = before["the root logger"]
+    logging.root.setLevel(level)
+    logging.root.handlers[:] = handlers
+
+
+class Blame:
+    """One pass's record: the modules blamed (name -> what its code did) and who needs whom."""
+
+    def __init__(self) -> None:
+        self.blamed: dict[str, str] = {}
+        self._needs: dict[str, set[str]] = {}  # importer -> what it imports
+        self._running: list[str] = []  # the modules whose bodies run, innermost last
+        self._last = snapshot()
+
+    def look(self, fallback: str = "") -> None:
+        """Blame what changed since the last look on the module running now (``fallback``
+        when none runs: the plan's entry being imported)."""
+        now = snapshot()
+        found = changes(self._last, now)
+        who = self._running[-1] if self._running else fallback
+        if found and who:
+            self.blamed.setdefault(who, "; ".join(found))
+        self._last = now
+
+    def again(self) -> None:
+        """Look from here on (after the caller put things back)."""
+        self._last = snapshot()
+
+    def needing(self) -> dict[str, str]:
+        """Every module that needs a blamed one, directly or not (name -> the blamed one)."""
+        needed_by: dict[str, set[str]] = {}
+        for importer, imported in self._needs.items():
+            for name in imported:
+                needed_by.setdefault(name, set()).add(importer)
+        origin = {name: name for name in self.blamed}
+        queue = list(self.blamed)
+        while queue:
+            name = queue.pop()
+            for importer in needed_by.get(name, ()):
+                if importer not in origin:
+                    origin[importer] = origin[name]
+                    queue.append(importer)
+        return {name: culprit for name, culprit in origin.items() if name not in self.blamed}
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Bracket every module executed, and record every import statement, meanwhile."""
+        finder = _Finder(self)
+        real_import = builtins.__import__
+
+        def traced(
+            name: str,
+            globals: dict[str, Any] | None = None,
+            locals: Any = None,
+            fromlist: Any = (),
+            level: int = 0,
+        ) -> Any:
+            module = real_import(name, globals, locals, fromlist, level)
+            self._record(name, globals, fromlist, level)
+            return module
+
+        sys.meta_path.insert(0, finder)
+        builtins.__import__ = traced  # type: ignore[assignment]  # same call, a wider hint
+        try:
+            yield
+        finally:
+            builtins.__import__ = real_import
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(finder)
+
+    def _record(self, name: str, globals: Any, fromlist: Any, level: int) -> None:
+        importer = globals.get("__name__") if isinstance(globals, dict) else None
+        if not isinstance(importer, str):
+            return
+        try:
+            target = importlib.util.resolve_name("." * level + name, globals.get("__package__"))
+        except (ImportError, ValueError, TypeError, AttributeError):
+            return
+        needs = self._needs.setdefault(importer, set())
+        needs.add(target)
+        for each in fromlist or ():
+            if isinstance(each, str) and f"{target}.{each}" in sys.modules:
+                needs.add(f"{target}.{each}")
+
+    def _starting(self, name: str) -> None:
+        self.look()  # what ran before this module's body is the enclosing module's doing
+        if self._running:
+            self._needs.setdefault(self._running[-1], set()).add(name)
+        parent = name.rpartition(".")[0]
+        if parent:
+            self._needs.setdefault(name, set()).add(parent)
+        self._running.append(name)
+
+    def _ended(self) -> None:
+        self.look()
+        self._running.pop()
+
+
+class _Finder:
+    """First in ``sys.meta_path`` during a pass: finds as the finders after it do, and hands
+    the import system a loader that brackets the module's execution."""
+
+    def __init__(self, blame: Blame) -> None:
+        self.blame = blame
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader, self.blame)
+        return spec
+
+
+class _Loader:
+    """The real loader's, bracketed; the module and its spec get the real loader back
+    before its body runs (nothing of the pass stays on them)."""
+
+    def __init__(self, real: Any, blame: Blame) -> None:
+        self.real = real
+        self.blame = blame
+
+    def create_module(self, spec: Any) -> Any:
+        create = getattr(self.real, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: Any) -> None:
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.real
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.real
+        self.blame._starting(spec.name if spec is not None else module.__name__)
+        try:
+            self.real.exec_module(module)
+        finally:
+            self.blame._ended()
+
+
+def cuda_initialised() -> bool:
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())

@@ -1,0 +1,106 @@
+"""The warm caller's blame (cpq.caller.blame): in one pass over a plan, the module whose own
+code changed the process is named, and so is every module that needs it; the modules
+loaded keep their own loaders. Real imports of real files, in this process."""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cpq.caller import blame
+
+FILES = {
+    # setuptools' shape: its own code extends the import path.
+    "bl_pathy.py": "import sys\nsys.path.append('/nonexistent/bl_vendor')\n",
+    "bl_alpha.py": "import bl_pathy\n",
+    # needs bl_pathy after bl_alpha loaded it: no change shows, the import statement does.
+    "bl_beta.py": "from bl_pathy import sys as _sys\n",
+    "bl_clean.py": "import json\n",
+    # a package whose submodule, loaded while the package runs, sets a variable through a
+    # function of a module loaded already: the submodule's body is what ran.
+    "bl_pkg/__init__.py": "from bl_pkg import setter\n",
+    "bl_pkg/setter.py": "import bl_helpers\nbl_helpers.set_it()\n",
+    "bl_helpers.py": "import os\ndef set_it():\n    os.environ['BL_SET'] = '1'\n",
+    "bl_user.py": "from bl_pkg import setter\n",
+}
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("BL_SET", raising=False)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("bl_")]:
+        del sys.modules[name]
+
+
+def _pass(entries: list[str]) -> blame.Blame:
+    """What the warm caller does: import each entry, look, put back, go on."""
+    record = blame.Blame()
+    start = blame.snapshot()
+    with record.watching():
+        for name in entries:
+            importlib.import_module(name)
+            record.look(fallback=name)
+            blame.put_back(start)
+            record.again()
+    return record
+
+
+def test_one_pass_names_the_module_that_changed_the_path_and_all_that_need_it(
+    project: Path,
+) -> None:
+    record = _pass(["bl_alpha", "bl_beta", "bl_clean"])
+    assert record.blamed == {"bl_pathy": "changed sys.path"}
+    needing = record.needing()
+    assert needing["bl_alpha"] == needing["bl_beta"] == "bl_pathy"
+    assert "bl_clean" not in needing and "json" not in needing
+    assert "/nonexistent/bl_vendor" not in sys.path  # put back
+
+
+def test_a_change_made_through_another_modules_function_is_the_running_modules(
+    project: Path,
+) -> None:
+    record = _pass(["bl_pkg", "bl_user", "bl_clean"])
+    assert record.blamed == {"bl_pkg.setter": "changed os.environ"}
+    needing = record.needing()
+    # the package ran it, bl_user imports it (loaded already): both need it
+    assert needing["bl_pkg"] == needing["bl_user"] == "bl_pkg.setter"
+    assert "bl_helpers" not in needing  # its function did it, its body did not
+    assert "BL_SET" not in os.environ
+
+
+def test_the_modules_loaded_keep_their_own_loaders_and_the_hooks_go(project: Path) -> None:
+    real_import, finders = builtins.__import__, list(sys.meta_path)
+    _pass(["bl_clean", "bl_pkg"])
+    for name in ("bl_clean", "bl_pkg", "bl_pkg.setter"):
+        module = sys.modules[name]
+        assert type(module.__loader__).__name__ == "SourceFileLoader", name
+        assert module.__spec__ is not None and module.__spec__.loader is module.__loader__
+    assert builtins.__import__ is real_import
+    assert sys.meta_path == finders
+
+
+def test_a_pass_that_changes_nothing_blames_nothing(project: Path) -> None:
+    record = _pass(["bl_clean"])
+    assert record.blamed == {} and record.needing() == {}
+
+
+def test_a_change_outside_any_module_body_is_the_entrys() -> None:
+    record = blame.Blame()
+    start = blame.snapshot()
+    with record.watching():
+        sys.path.append("/nonexistent/bl_direct")
+        record.look(fallback="the.entry")
+        blame.put_back(start)
+    assert record.blamed == {"the.entry": "changed sys.path"}
+    assert "/nonexistent/bl_direct" not in sys.path
