@@ -8,7 +8,7 @@ set -uo pipefail
 PROJ=$(pwd)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-for mode in off auto; do
+for mode in ${MODES:-off auto}; do
   if [ "$mode" = off ]; then export CPQ_WARM_CALLER=0; else unset CPQ_WARM_CALLER; fi
   # run.sh makes (and at its end removes) its own state directory, where the warm caller
   # logs: copied while it runs.
@@ -17,6 +17,6 @@ for mode in off auto; do
   OUT=$OUT/$mode bash .megatron/run.sh "$PROJ" > "$OUT/$mode.out" 2>&1
   kill $COPIER
   echo "== $mode"; grep -E "wall|differ|fresh|cold|warm" "$OUT/$mode/meg-summary.txt" | head -20
-  grep -E "warm in|serving|session|refused|closing" "$OUT/$mode-warm-caller.log" 2>/dev/null | cut -c1-220 | head -12
+  grep -E "cpq.caller" "$OUT/$mode-warm-caller.log" 2>/dev/null | cut -c1-220 | head -12
 done
 pkill -f "cpq.caller" 2>/dev/null || true
