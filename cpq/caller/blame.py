@@ -13,8 +13,9 @@ change, so each pass found one more entry and Megatron-LM's warm caller took fiv
    first in ``sys.meta_path`` brackets the execution of every module the pass loads, and
    the process is looked at each time one starts or ends (the module then is the innermost
    whose body runs: a call into torch from a module's body is that module's doing);
-2. **records who imports whom**: every import statement (through ``builtins.__import__``,
-   also of a module loaded already), every module executed while another's body runs, and a
+2. **records who needs whom**: the module whose body runs needs what every import
+   statement imports meanwhile (through ``builtins.__import__``, also of a module loaded
+   already, also from a function it calls) and every module executed meanwhile; a
    submodule needs its package;
 
 so that :meth:`Blame.needing` names, in the same pass, every module that needs a blamed
@@ -160,14 +161,17 @@ class Blame:
                 sys.meta_path.remove(finder)
 
     def _record(self, name: str, globals: Any, fromlist: Any, level: int) -> None:
-        importer = globals.get("__name__") if isinstance(globals, dict) else None
-        if not isinstance(importer, str):
-            return
+        """An import statement ran: the module whose body runs needs what it imports (also
+        when a function of another module, called from that body, runs the statement: a
+        function of torch's importing ``torch._dynamo`` when called is not torch's need)."""
+        if not self._running:
+            return  # no module's body runs: not an import's doing
+        package = globals.get("__package__") if isinstance(globals, dict) else None
         try:
-            target = importlib.util.resolve_name("." * level + name, globals.get("__package__"))
+            target = importlib.util.resolve_name("." * level + name, package)
         except (ImportError, ValueError, TypeError, AttributeError):
             return
-        needs = self._needs.setdefault(importer, set())
+        needs = self._needs.setdefault(self._running[-1], set())
         needs.add(target)
         for each in fromlist or ():
             if isinstance(each, str) and f"{target}.{each}" in sys.modules:

@@ -109,6 +109,7 @@ class Server:
         if blame_.blamed:  # what it imported is not what a fork may take: never served as it is
             left_out.blamed.update(blame_.blamed)
             left_out.needing.update(blame_.needing())
+            left_out.passes += 1
             wire.write_left_out(self.plan.key, left_out)
             log.info(
                 "leaving out %s, and %d modules that need them; starting again",

@@ -72,6 +72,10 @@ def key_of(rootpath: str, path: list[str]) -> str:
 
 #: Modules blamed (:mod:`cpq.caller.blame`) before a project's warm callers give up on it.
 MAX_BLAMED = 32
+#: Passes that blamed a module, likewise: a pass finds them all, unless a dependency went
+#: unseen (the next pass sees it); one that ran left-out modules again and again would
+#: otherwise restart for ever.
+MAX_PASSES = 4
 
 
 @dataclass
@@ -82,14 +86,15 @@ class LeftOut:
 
     blamed: dict[str, str] = field(default_factory=dict)
     needing: dict[str, str] = field(default_factory=dict)
+    passes: int = 0  # that blamed a module
 
     def __contains__(self, name: str) -> bool:
         return name in self.blamed or name in self.needing
 
     def gave_up(self) -> bool:
-        """Whether the project gets no warm caller: too many modules blamed, or a warm-up
-        refused for what no import was seen doing."""
-        return len(self.blamed) >= MAX_BLAMED or "*" in self.blamed
+        """Whether the project gets no warm caller: too many modules blamed or passes made,
+        or a warm-up refused for what no import was seen doing."""
+        return len(self.blamed) >= MAX_BLAMED or self.passes >= MAX_PASSES or "*" in self.blamed
 
 
 def excluded_path(key: str) -> Path:
@@ -104,18 +109,20 @@ def read_left_out(key: str) -> LeftOut:
         return LeftOut()
     if not isinstance(raw, dict):
         return LeftOut()
-    blamed, needing = raw.get("blamed"), raw.get("needing")
-    if not isinstance(blamed, dict) or not isinstance(needing, dict):
+    blamed, needing, passes = raw.get("blamed"), raw.get("needing"), raw.get("passes")
+    if not isinstance(blamed, dict) or not isinstance(needing, dict) or not isinstance(passes, int):
         return LeftOut()
     return LeftOut(
-        {str(k): str(v) for k, v in blamed.items()}, {str(k): str(v) for k, v in needing.items()}
+        {str(k): str(v) for k, v in blamed.items()},
+        {str(k): str(v) for k, v in needing.items()},
+        passes,
     )
 
 
 def write_left_out(key: str, left_out: LeftOut) -> None:
     target = excluded_path(key)
     temporary = target.with_name(f"{target.name}.{os.getpid()}")
-    temporary.write_text(json.dumps({"blamed": left_out.blamed, "needing": left_out.needing}))
+    temporary.write_text(json.dumps(asdict(left_out)))
     os.replace(temporary, target)
 
 

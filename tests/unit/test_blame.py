@@ -28,6 +28,10 @@ FILES = {
     "bl_pkg/setter.py": "import bl_helpers\nbl_helpers.set_it()\n",
     "bl_helpers.py": "import os\ndef set_it():\n    os.environ['BL_SET'] = '1'\n",
     "bl_user.py": "from bl_pkg import setter\n",
+    # torch's shape: a function that imports a module when called (torch.compile and
+    # torch._dynamo), called from another module's body.
+    "bl_tool.py": "def use():\n    import bl_pathy\n",
+    "bl_caller.py": "import bl_tool\nbl_tool.use()\n",
 }
 
 
@@ -77,6 +81,12 @@ def test_a_change_made_through_another_modules_function_is_the_running_modules(
     assert needing["bl_pkg"] == needing["bl_user"] == "bl_pkg.setter"
     assert "bl_helpers" not in needing  # its function did it, its body did not
     assert "BL_SET" not in os.environ
+
+
+def test_an_import_a_called_function_makes_is_the_running_modules_need(project: Path) -> None:
+    record = _pass(["bl_caller", "bl_clean"])
+    assert record.blamed == {"bl_pathy": "changed sys.path"}
+    assert record.needing() == {"bl_caller": "bl_pathy"}  # not bl_tool: its import needs none
 
 
 def test_the_modules_loaded_keep_their_own_loaders_and_the_hooks_go(project: Path) -> None:

@@ -76,6 +76,28 @@ def test_a_plan_file_round_trips_and_a_bad_one_is_named(
         wire.Plan.read(written)
 
 
+def test_what_is_left_out_round_trips_and_bounds_the_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass finds every module to leave out, unless a dependency went unseen; passes that
+    find the same modules again must not restart the warm caller for ever."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    monkeypatch.setenv("CPQ_STATE_DIR", str(state))
+    assert wire.read_left_out("k1") == wire.LeftOut() and not wire.gave_up("k1")
+    left_out = wire.LeftOut({"setuptools": "changed sys.path"}, {"distutils.compat": "setuptools"})
+    for passes in range(1, wire.MAX_PASSES + 1):
+        left_out.passes = passes
+        wire.write_left_out("k1", left_out)
+        assert wire.read_left_out("k1") == left_out
+        assert "distutils.compat" in left_out and "setuptools" in left_out
+        assert wire.gave_up("k1") == (passes == wire.MAX_PASSES)
+    wire.write_left_out("k2", wire.LeftOut({"*": "refused"}, passes=1))
+    assert wire.gave_up("k2")
+    wire.excluded_path("k3").write_text('{"blamed": []}')
+    assert wire.read_left_out("k3") == wire.LeftOut()
+
+
 def test_messages_carry_descriptors_and_junk_is_refused_with_its_descriptors_closed() -> None:
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     read_end, write_end = os.pipe()
