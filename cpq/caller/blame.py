@@ -34,7 +34,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Container, Iterator
 from typing import Any
 
 _HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
@@ -98,8 +99,11 @@ def put_back(before: State) -> None:
 class Blame:
     """One pass's record: the modules blamed (name -> what its code did) and who needs whom."""
 
-    def __init__(self) -> None:
+    def __init__(self, left_out: Container[str] = ()) -> None:
         self.blamed: dict[str, str] = {}
+        #: modules left out by earlier passes that ran in this one, and where from
+        self.ran_again: dict[str, str] = {}
+        self._left_out = left_out
         self._needs: dict[str, set[str]] = {}  # importer -> what it imports
         self._running: list[str] = []  # the modules whose bodies run, innermost last
         self._last = snapshot()
@@ -179,6 +183,10 @@ class Blame:
 
     def _starting(self, name: str) -> None:
         self.look()  # what ran before this module's body is the enclosing module's doing
+        if name in self._left_out and name not in self.ran_again:
+            self.ran_again[name] = (
+                f"under {' > '.join(self._running[-3:])}" if self._running else _importing_code()
+            )
         if self._running:
             self._needs.setdefault(self._running[-1], set()).add(name)
         parent = name.rpartition(".")[0]
@@ -236,6 +244,19 @@ class _Loader:
             self.real.exec_module(module)
         finally:
             self.blame._ended()
+
+
+def _importing_code() -> str:
+    """Where the import was asked for when no module's body runs: the innermost frames
+    outside the import system and this module."""
+    frame: types.FrameType | None = sys._getframe(1)
+    where: list[str] = []
+    while frame is not None and len(where) < 3:
+        name = frame.f_code.co_filename
+        if not name.startswith("<frozen") and name != __file__:
+            where.append(f"{name}:{frame.f_lineno} ({frame.f_code.co_name})")
+        frame = frame.f_back
+    return "from " + " < ".join(where)
 
 
 def cuda_initialised() -> bool:

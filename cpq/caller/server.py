@@ -86,7 +86,7 @@ class Server:
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
         left_out = wire.read_left_out(self.plan.key)
-        blame_ = blame.Blame()
+        blame_ = blame.Blame(left_out)
         start = blame.snapshot()
         start.update({"sys.path": self.plan.path, "os.environ": self.plan.environ})
 
@@ -107,15 +107,14 @@ class Server:
         if ahead.last_refusal and not blame_.blamed:  # refused for what no import was seen doing
             blame_.blamed["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
         if blame_.blamed:  # what it imported is not what a fork may take: never served as it is
-            left_out.blamed.update(blame_.blamed)
-            left_out.needing.update(blame_.needing())
-            left_out.passes += 1
-            wire.write_left_out(self.plan.key, left_out)
+            left_out = wire.add_left_out(self.plan.key, blame_.blamed, blame_.needing())
             log.info(
                 "leaving out %s, and %d modules that need them; starting again",
                 "; ".join(f"{name}: its code {why}" for name, why in blame_.blamed.items())[:1000],
                 len(left_out.needing),
             )
+            for name, where in blame_.ran_again.items():  # a dependency the record did not see
+                log.info("%s ran again although left out, %s", name, where)
             return False
         self.watch.scan(self.started_ns)
         log.info(

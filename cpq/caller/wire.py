@@ -13,6 +13,7 @@ before it (:mod:`cpq.client.handoff`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -88,7 +89,7 @@ class LeftOut:
     needing: dict[str, str] = field(default_factory=dict)
     passes: int = 0  # that blamed a module
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self.blamed or name in self.needing
 
     def gave_up(self) -> bool:
@@ -124,6 +125,20 @@ def write_left_out(key: str, left_out: LeftOut) -> None:
     temporary = target.with_name(f"{target.name}.{os.getpid()}")
     temporary.write_text(json.dumps(asdict(left_out)))
     os.replace(temporary, target)
+
+
+def add_left_out(key: str, blamed: dict[str, str], needing: dict[str, str]) -> LeftOut:
+    """Add one pass's findings to what ``key``'s warm callers leave out, and count the pass.
+    Under a lock: a project may have two warm callers warming at once (one a session started
+    at its start, one at its end), and neither may lose the other's findings."""
+    with open(folder() / f"{key}.exclude.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        left_out = read_left_out(key)
+        left_out.blamed.update(blamed)
+        left_out.needing.update({k: v for k, v in needing.items() if k not in left_out.blamed})
+        left_out.passes += 1
+        write_left_out(key, left_out)
+        return left_out
 
 
 def gave_up(key: str) -> bool:

@@ -47,9 +47,9 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         del sys.modules[name]
 
 
-def _pass(entries: list[str]) -> blame.Blame:
+def _pass(entries: list[str], left_out: tuple[str, ...] = ()) -> blame.Blame:
     """What the warm caller does: import each entry, look, put back, go on."""
-    record = blame.Blame()
+    record = blame.Blame(left_out)
     start = blame.snapshot()
     with record.watching():
         for name in entries:
@@ -87,6 +87,11 @@ def test_an_import_a_called_function_makes_is_the_running_modules_need(project: 
     record = _pass(["bl_caller", "bl_clean"])
     assert record.blamed == {"bl_pathy": "changed sys.path"}
     assert record.needing() == {"bl_caller": "bl_pathy"}  # not bl_tool: its import needs none
+
+
+def test_a_left_out_module_that_runs_again_says_whose_import_ran_it(project: Path) -> None:
+    record = _pass(["bl_alpha"], left_out=("bl_pathy",))
+    assert record.ran_again == {"bl_pathy": "under bl_alpha"}
 
 
 def test_the_modules_loaded_keep_their_own_loaders_and_the_hooks_go(project: Path) -> None:

@@ -92,6 +92,12 @@ def test_what_is_left_out_round_trips_and_bounds_the_passes(
         assert wire.read_left_out("k1") == left_out
         assert "distutils.compat" in left_out and "setuptools" in left_out
         assert wire.gave_up("k1") == (passes == wire.MAX_PASSES)
+    # two warm callers of one project warming at once: neither loses the other's findings
+    wire.add_left_out("k4", {"a": "changed sys.path"}, {"a_user": "a"})
+    merged = wire.add_left_out("k4", {"b": "started a thread"}, {"b_user": "b", "a": "b"})
+    assert merged == wire.read_left_out("k4")
+    assert merged.blamed == {"a": "changed sys.path", "b": "started a thread"}
+    assert merged.needing == {"a_user": "a", "b_user": "b"} and merged.passes == 2
     wire.write_left_out("k2", wire.LeftOut({"*": "refused"}, passes=1))
     assert wire.gave_up("k2")
     wire.excluded_path("k3").write_text('{"blamed": []}')
