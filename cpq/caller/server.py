@@ -113,8 +113,11 @@ class Server:
                 "; ".join(f"{name}: its code {why}" for name, why in blame_.blamed.items())[:1000],
                 len(left_out.needing),
             )
-            for name, where in blame_.ran_again.items():  # a dependency the record did not see
+            again = list(blame_.ran_again.items())  # dependencies the record did not see
+            for name, where in again[:5]:
                 log.info("%s ran again although left out, %s", name, where)
+            if len(again) > 5:
+                log.info("and %d more modules left out ran again", len(again) - 5)
             return False
         self.watch.scan(self.started_ns)
         log.info(

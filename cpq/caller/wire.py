@@ -90,7 +90,15 @@ class LeftOut:
     passes: int = 0  # that blamed a module
 
     def __contains__(self, name: object) -> bool:
-        return name in self.blamed or name in self.needing
+        """Whether ``name`` is left out: named, or a submodule of a package named (its
+        import runs the package's)."""
+        if not isinstance(name, str):
+            return False
+        parts = name.split(".")
+        return any(
+            ".".join(parts[:n]) in self.blamed or ".".join(parts[:n]) in self.needing
+            for n in range(1, len(parts) + 1)
+        )
 
     def gave_up(self) -> bool:
         """Whether the project gets no warm caller: too many modules blamed or passes made,

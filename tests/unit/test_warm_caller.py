@@ -91,6 +91,8 @@ def test_what_is_left_out_round_trips_and_bounds_the_passes(
         wire.write_left_out("k1", left_out)
         assert wire.read_left_out("k1") == left_out
         assert "distutils.compat" in left_out and "setuptools" in left_out
+        assert "setuptools.command.build" in left_out  # its package's import is left out
+        assert "distutils" not in left_out and "setuptoolsx" not in left_out
         assert wire.gave_up("k1") == (passes == wire.MAX_PASSES)
     # two warm callers of one project warming at once: neither loses the other's findings
     wire.add_left_out("k4", {"a": "changed sys.path"}, {"a_user": "a"})
