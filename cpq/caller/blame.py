@@ -10,7 +10,8 @@ change, so each pass found one more entry and Megatron-LM's warm caller took fiv
 (~50 s on the GPU host) before it served. Instead, while a pass runs, a :class:`Blame`
 
 1. **blames the module whose own code was running** when the change happened: a finder
-   first in ``sys.meta_path`` brackets the execution of every module the pass loads, and
+   first in ``sys.meta_path`` brackets the finding and the execution of every module the
+   pass loads (setuptools' finder for ``distutils`` imports setuptools while it finds), and
    the process is looked at each time one starts or ends (the module then is the innermost
    whose body runs: a call into torch from a module's body is that module's doing);
 2. **records who needs whom**: the module whose body runs needs what every import
@@ -207,18 +208,27 @@ class _Finder:
         self.blame = blame
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
+        # Finding runs code too: setuptools' finder for ``distutils`` imports setuptools
+        # there. What a find imports and changes is the module found's.
+        self.blame._starting(name)
+        try:
+            spec = self._find(name, path, target)
+        finally:
+            self.blame._ended()
+        if spec is None:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _Loader(spec.loader, self.blame)
         return spec
+
+    def _find(self, name: str, path: Any, target: Any) -> Any:
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is not self and find is not None:
+                spec = find(name, path, target)
+                if spec is not None:
+                    return spec
+        return None
 
 
 class _Loader:

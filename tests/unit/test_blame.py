@@ -32,7 +32,16 @@ FILES = {
     # torch._dynamo), called from another module's body.
     "bl_tool.py": "def use():\n    import bl_pathy\n",
     "bl_caller.py": "import bl_tool\nbl_tool.use()\n",
+    "bl_found.py": "X = 1\n",
 }
+
+
+class _ImportingFinder:
+    """setuptools' shape: its finder for ``distutils`` imports setuptools while it finds."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "bl_found":
+            importlib.import_module("bl_pathy")
 
 
 @pytest.fixture
@@ -92,6 +101,15 @@ def test_an_import_a_called_function_makes_is_the_running_modules_need(project: 
 def test_a_left_out_module_that_runs_again_says_whose_import_ran_it(project: Path) -> None:
     record = _pass(["bl_alpha"], left_out=("bl_pathy",))
     assert record.ran_again == {"bl_pathy": "under bl_alpha"}
+
+
+def test_what_a_finder_imports_while_it_finds_a_module_is_that_modules_need(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "meta_path", [_ImportingFinder(), *sys.meta_path])
+    record = _pass(["bl_found", "bl_clean"])
+    assert record.blamed == {"bl_pathy": "changed sys.path"}
+    assert record.needing() == {"bl_found": "bl_pathy"}
 
 
 def test_the_modules_loaded_keep_their_own_loaders_and_the_hooks_go(project: Path) -> None:
