@@ -283,6 +283,23 @@ def test_killing_the_caller_kills_the_session_it_handed_over(project: Path) -> N
     (project.parent / "wait-1-SIGKILL").touch()  # the ranks' side of the test ends
 
 
+def test_a_session_that_comes_while_the_warm_caller_warms_waits_for_it(project: Path) -> None:
+    """``pytest`` right after ``pytest``: the first session's warm caller is still importing
+    (a 3 s import) when the second session starts. It expects to serve before the session
+    would have started by itself, so the session waits for it and is handed over."""
+    heavy = project / "heavy" / "__init__.py"
+    heavy.write_text("import time\ntime.sleep(3)\n" + heavy.read_text())
+    _session(project, "1", "first")
+    assert list((project.parent / "state" / "callers").glob("*.warming.json")), _log(project)
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    own = _session(project, "0", "own")
+    assert (handed.returncode, _verdicts(project, "handed")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )
+
+
 SPINNER = """
 import threading, time
 threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()

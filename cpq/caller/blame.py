@@ -15,14 +15,15 @@ change, so each pass found one more entry and Megatron-LM's warm caller took fiv
    the process is looked at each time one starts or ends (the module then is the innermost
    whose body runs: a call into torch from a module's body is that module's doing);
 2. **records who needs whom**: the module whose body runs needs what every import
-   statement imports meanwhile (through ``builtins.__import__``, also of a module loaded
-   already, also from a function it calls) and every module executed meanwhile; a
-   submodule needs its package;
+   statement and ``importlib.import_module`` imports meanwhile (through
+   ``builtins.__import__`` and that function, also a module loaded already, also from a
+   function it calls) and every module executed meanwhile; a submodule needs its package;
 
 so that :meth:`Blame.needing` names, in the same pass, every module that needs a blamed
 one, directly or not. The next pass imports neither and is served. A dependency the record
-cannot see (``importlib.import_module`` of a module loaded already) shows in the next pass:
-the blamed module runs again there, under the module that needs it.
+cannot see (a module loaded already, imported from C, or through a reference to
+``import_module`` taken before the pass) shows in the next pass: the blamed module runs
+again there, under the module that needs it.
 """
 
 from __future__ import annotations
@@ -156,11 +157,23 @@ class Blame:
             self._record(name, globals, fromlist, level)
             return module
 
+        real_import_module = importlib.import_module
+
+        def import_module(name: str, package: str | None = None) -> Any:
+            module = real_import_module(name, package)
+            if self._running:  # also a module loaded already: setuptools' distutils finder
+                with contextlib.suppress(ImportError, ValueError, TypeError):
+                    absolute = importlib.util.resolve_name(name, package)
+                    self._needs.setdefault(self._running[-1], set()).add(absolute)
+            return module
+
         sys.meta_path.insert(0, finder)
         builtins.__import__ = traced  # type: ignore[assignment]  # same call, a wider hint
+        importlib.import_module = import_module
         try:
             yield
         finally:
+            importlib.import_module = real_import_module
             builtins.__import__ = real_import
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(finder)

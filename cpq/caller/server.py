@@ -85,6 +85,7 @@ class Server:
         importenv.start_done()
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
+        self._note_warming()
         left_out = wire.read_left_out(self.plan.key)
         blame_ = blame.Blame(left_out)
         start = blame.snapshot()
@@ -108,6 +109,8 @@ class Server:
             blame_.blamed["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
         if blame_.blamed:  # what it imported is not what a fork may take: never served as it is
             left_out = wire.add_left_out(self.plan.key, blame_.blamed, blame_.needing())
+            pass_s = time.time() - self.started_ns / 1e9  # what the next pass will take
+            wire.note_warming(self.plan.key, time.time() + pass_s, pass_s)
             log.info(
                 "leaving out %s, and %d modules that need them; starting again",
                 "; ".join(f"{name}: its code {why}" for name, why in blame_.blamed.items())[:1000],
@@ -128,6 +131,15 @@ class Server:
             ", ".join(f"{name} ({why})" for name, why in left_out.blamed.items())[:600] or "none",
         )
         return True
+
+    def _note_warming(self) -> None:
+        """Say when this process expects to serve, for a session that comes meanwhile
+        (:func:`cpq.caller.wire.wait_until`): as long as its last pass took (it started
+        again), else as long as the session that planned it took to start."""
+        last = wire.read_warming(self.plan.key)
+        pass_s = last.get("pass_s") if last.get("pid") == os.getpid() else None
+        expected = float(pass_s) if isinstance(pass_s, (int, float)) else self.plan.start_s
+        wire.note_warming(self.plan.key, self.started_ns / 1e9 + expected, None)
 
     # ---- the socket
 

@@ -173,6 +173,48 @@ def plan_path(key: str) -> Path:
     return folder() / f"{key}.plan.json"
 
 
+def warming_path(key: str) -> Path:
+    return folder() / f"{key}.warming.json"
+
+
+def note_warming(key: str, ready_by: float, pass_s: float | None) -> None:
+    """Say that this process warms ``key``'s project and expects to serve by ``ready_by``
+    (epoch seconds); ``pass_s``: how long its last pass took from the process's start (an
+    ``execv`` keeps the pid: the next pass reads it back)."""
+    target = warming_path(key)
+    temporary = target.with_name(f"{target.name}.{os.getpid()}")
+    temporary.write_text(json.dumps({"pid": os.getpid(), "ready_by": ready_by, "pass_s": pass_s}))
+    os.replace(temporary, target)
+
+
+def read_warming(key: str) -> dict[str, Any]:
+    """What :func:`note_warming` said last (empty when nothing readable)."""
+    try:
+        raw = json.loads(warming_path(key).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict) or not isinstance(raw.get("pid"), int):
+        return {}
+    if not isinstance(raw.get("ready_by"), (int, float)):
+        return {}
+    return raw
+
+
+def wait_until(warming: dict[str, Any], start_s: float, now: float) -> float:
+    """Until when a session that found no warm caller answering waits for one that is
+    warming (0: it does not wait). It waits when the warm caller expects to serve before
+    the session would have started by itself (``start_s``, its last measured start), and
+    never longer than that start: a warm caller that comes late, or refuses, costs at
+    most one more start. A little slack past the expected time: a pass runs as fast as the
+    last one, not to the millisecond."""
+    if not warming or start_s <= 0:
+        return 0.0
+    ready_by = float(warming["ready_by"])
+    if ready_by - now > start_s:
+        return 0.0
+    return min(ready_by + max(2.0, 0.2 * start_s), now + start_s)
+
+
 @dataclass
 class Plan:
     """What the warm caller of ``key`` imports ahead, and how it is started."""

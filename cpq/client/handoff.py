@@ -88,7 +88,7 @@ def at_start(config: Any) -> None:
     _start.update(key=key, interpreter=_interpreter())
     if _served() is not None:
         return
-    sock = wire.connect(wire.socket_path(key), 2.0)
+    sock = wire.connect(wire.socket_path(key), 2.0) or _wait_for_warming(key)
     if sock is None:
         return
     _start["answered"] = True
@@ -105,6 +105,34 @@ def at_start(config: Any) -> None:
     finally:
         if capture is not None:
             capture.resume_global_capture()
+
+
+def _wait_for_warming(key: str) -> socket.socket | None:
+    """No warm caller answers: wait for one that is warming, when it expects to serve before
+    this session would have started by itself (:func:`cpq.caller.wire.wait_until`) — a
+    second ``pytest`` right after a first one. Polls its socket, and gives up when it
+    exits."""
+    plan = _read_plan(key)
+    warming = wire.read_warming(key)
+    until = wire.wait_until(warming, plan.start_s if plan else 0.0, time.time())
+    while time.time() < until:
+        time.sleep(0.1)  # polling the socket a warming process binds when it is ready
+        sock = wire.connect(wire.socket_path(key), 2.0)
+        if sock is not None:
+            return sock
+        if not _alive(int(warming["pid"])):
+            return None
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid: not ours, but alive
+        return True
+    return True
 
 
 def at_session_start(config: Any) -> None:

@@ -112,6 +112,14 @@ def test_what_a_finder_imports_while_it_finds_a_module_is_that_modules_need(
     assert record.needing() == {"bl_found": "bl_pathy"}
 
 
+def test_what_a_finder_imports_when_it_is_loaded_already_is_a_need_too(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "meta_path", [_ImportingFinder(), *sys.meta_path])
+    record = _pass(["bl_alpha", "bl_found"])  # bl_alpha loads bl_pathy first
+    assert record.needing() == {"bl_alpha": "bl_pathy", "bl_found": "bl_pathy"}
+
+
 def test_the_modules_loaded_keep_their_own_loaders_and_the_hooks_go(project: Path) -> None:
     real_import, finders = builtins.__import__, list(sys.meta_path)
     _pass(["bl_clean", "bl_pkg"])

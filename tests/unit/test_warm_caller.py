@@ -106,6 +106,26 @@ def test_what_is_left_out_round_trips_and_bounds_the_passes(
     assert wire.read_left_out("k3") == wire.LeftOut()
 
 
+@pytest.mark.parametrize(
+    ("ready_in", "start_s", "waits_s"),
+    [
+        (3.0, 16.0, 3.0 + 3.2),  # ready before the session would have started: wait, slack
+        (15.0, 16.0, 16.0),  # never longer than a start of its own
+        (20.0, 16.0, 0.0),  # a start of its own is sooner: do not wait
+        (1.0, 4.0, 3.0),  # slack of at least 2 s
+        (-60.0, 16.0, -56.8),  # long overdue (its process died): the deadline has passed
+        (3.0, 0.0, 0.0),  # no start measured
+    ],
+)
+def test_a_session_waits_for_a_warming_warm_caller_only_when_that_is_sooner(
+    ready_in: float, start_s: float, waits_s: float
+) -> None:
+    now = 1000.0
+    until = wire.wait_until({"pid": 1, "ready_by": now + ready_in}, start_s, now)
+    assert until == (pytest.approx(now + waits_s) if waits_s else 0.0)
+    assert wire.wait_until({}, start_s, now) == 0.0
+
+
 def test_messages_carry_descriptors_and_junk_is_refused_with_its_descriptors_closed() -> None:
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     read_end, write_end = os.pipe()
