@@ -285,12 +285,12 @@ def test_killing_the_caller_kills_the_session_it_handed_over(project: Path) -> N
 
 def test_a_session_that_comes_while_the_warm_caller_warms_waits_for_it(project: Path) -> None:
     """``pytest`` right after ``pytest``: the first session's warm caller is still importing
-    (a 3 s import) when the second session starts. It expects to serve before the session
+    (a 4 s import) when the second session starts. It expects to serve before the session
     would have started by itself, so the session waits for it and is handed over."""
     heavy = project / "heavy" / "__init__.py"
-    heavy.write_text("import time\ntime.sleep(3)\n" + heavy.read_text())
-    _session(project, "1", "first")
-    assert list((project.parent / "state" / "callers").glob("*.warming.json")), _log(project)
+    heavy.write_text("import time\ntime.sleep(4)\n" + heavy.read_text())
+    _session(project, "0", "zero")  # the group is up: the next session ends at once
+    _session(project, "1", "first")  # starts its warm caller at its start, 4 s of import
     handed = _session(project, "1", "handed")
     assert _served(project) == 1, _log(project)
     own = _session(project, "0", "own")
