@@ -101,23 +101,15 @@ def _env(project: Path, warm: str, **extra: str) -> dict[str, str]:
     return env
 
 
+#: ``python -m pytest`` as a user types it for a ``--cpq-world-size 1`` session.
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--cpq-world-size", "1"]
+
+
 def _session(
     project: Path, warm: str, name: str, *args: str, **extra: str
 ) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "--cpq-world-size",
-        "1",
-        f"--junitxml={project.parent / name}.xml",
-        "-rA",
-        *args,
-    ]
     return subprocess.run(
-        command,
+        [*PYTEST, f"--junitxml={project.parent / name}.xml", "-rA", *args],
         cwd=project,
         env=_env(project, warm, **extra),
         capture_output=True,
@@ -219,20 +211,9 @@ def _interrupted(
     """A session whose test waits; ``how`` sent to the process the shell started once the
     test runs. Returns the exit status, the output and the pid of the process that ran it."""
     wait_file = project.parent / f"wait-{warm}-{how.name}"
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "--cpq-world-size",
-        "1",
-        "-k",
-        "waits",
-    ]
     started = time.monotonic()
     process = subprocess.Popen(
-        command,
+        [*PYTEST, "-k", "waits"],
         cwd=project,
         env=_env(project, warm, WAIT_FILE=str(wait_file)),
         stdout=subprocess.PIPE,

@@ -57,10 +57,12 @@ def cold_session(project: Path, env: dict[str, str], log: Path) -> tuple[float, 
     return wall, float(waited.group(1)) if waited else float("nan")
 
 
-def fresh_session(project: Path, env: dict[str, str]) -> float:
+def fresh_session(project: Path, env: dict[str, str], *extra: str) -> float:
+    """The fresh run's wall: ``torchrun -m pytest`` (``extra``: more pytest arguments)."""
     quiet_cpu()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "1", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    command += ["--nproc-per-node", "1", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += [*extra, "tests"]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
     if done.returncode != 0:

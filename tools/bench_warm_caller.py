@@ -6,7 +6,9 @@ The project's conftest imports torch and a package of its own whose import costs
 (Megatron-LM's). One broker (private state directory), warmed by a first session, which
 also starts the project's warm caller (``CPQ_WARM_CALLER=1``); then each repetition runs a
 session with ``CPQ_WARM_CALLER=0`` (the pytest process imports everything itself), one
-handed to the warm caller, and the fresh run, each once the machine's CPUs are quiet.
+handed to the warm caller, one that comes right after the session that started the
+project's first warm caller (Megatron-LM's run.sh: it waits for the warm caller still
+warming), and the fresh run, each once the machine's CPUs are quiet.
 Printed: walls, medians, and whether every session's verdicts were the fresh run's.
 
     python tools/bench_warm_caller.py [--reps 3] [--tests 50] [--import-s 2.0] [--json OUT]
@@ -25,6 +27,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from bench_cold import fresh_session
 from bench_opening import CONFTEST, SLOW_PACKAGE, TESTS
 from bench_pytest_ranks import ROOT, quiet_cpu, start_broker, tree_env
 
@@ -40,8 +43,9 @@ def verdicts(xml: Path) -> dict[str, str]:
     return found
 
 
-def session(project: Path, env: dict[str, str], warm: str, xml: Path) -> float:
-    quiet_cpu()
+def session(project: Path, env: dict[str, str], warm: str, xml: Path, settle: bool = True) -> float:
+    if settle:  # not right after another session: its warm caller busies the CPU
+        quiet_cpu()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "cpq.client.plugin"]
     command += ["--cpq-world-size", "1", f"--junitxml={xml}", "tests"]
     start = time.perf_counter()
@@ -55,15 +59,7 @@ def session(project: Path, env: dict[str, str], warm: str, xml: Path) -> float:
 
 
 def fresh(project: Path, env: dict[str, str], xml: Path) -> float:
-    quiet_cpu()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "1", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    command += [f"--junitxml={xml}", "tests"]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"fresh run failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
-    return time.perf_counter() - start
+    return fresh_session(project, env, f"--junitxml={xml}")
 
 
 def served(state: Path) -> int:
@@ -81,6 +77,13 @@ def wait_for_warm_caller(state: Path) -> None:
                 return
         time.sleep(0.2)  # the socket appears when the warm caller has imported its plan
     raise SystemExit("no warm caller came up")
+
+
+def forget_warm_callers(state: Path) -> None:
+    """No warm caller, and nothing a former one learnt: as a project's first session."""
+    subprocess.run(["pkill", "-f", f"cpq.caller {state}"], check=False)
+    for path in (state / "callers").glob("*"):
+        path.unlink()
 
 
 def main() -> None:
@@ -103,8 +106,9 @@ def main() -> None:
     env = tree_env(ROOT, state)
     env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{project}"
     broker = start_broker(env, "none", work / "broker.log")
-    walls: dict[str, list[float]] = {"off": [], "warm caller": [], "fresh": []}
+    walls: dict[str, list[float]] = {"off": [], "warm caller": [], "right after": [], "fresh": []}
     same = True
+    handed_after = 0
     try:
         session(project, env, "1", work / "prime.xml")  # the group, and the warm caller
         wait_for_warm_caller(state)
@@ -116,8 +120,17 @@ def main() -> None:
             walls["warm caller"].append(session(project, env, "1", work / f"on-{rep}.xml"))
             if served(state) != before + 1:
                 raise SystemExit("the session was not handed to the warm caller")
+            # Megatron's run.sh: a session, and the next one at once, while the warm caller
+            # the first started is still warming: the second waits for it.
+            forget_warm_callers(state)
+            session(project, env, "1", work / f"first-{rep}.xml")
+            before = served(state)
+            walls["right after"].append(
+                session(project, env, "1", work / f"after-{rep}.xml", settle=False)
+            )
+            handed_after += served(state) - before
             walls["fresh"].append(fresh(project, env, work / f"fresh-{rep}.xml"))
-            for name in (f"off-{rep}", f"on-{rep}"):
+            for name in (f"off-{rep}", f"on-{rep}", f"after-{rep}"):
                 same = same and verdicts(work / f"{name}.xml") == reference
     finally:
         broker.terminate()
@@ -133,15 +146,22 @@ def main() -> None:
         "fresh": "fresh torchrun -m pytest",
         "off": "CPQ_WARM_CALLER=0",
         "warm caller": "handed to the warm caller",
+        "right after": "right after the session that started it (waits for it)",
     }
-    for name in ("fresh", "off", "warm caller"):
+    for name in ("fresh", "off", "warm caller", "right after"):
         listed = ", ".join(f"{v:.2f}" for v in walls[name])
         print(f"| {labels[name]} | {statistics.median(walls[name]):.2f} | {listed} |")
+    print(f"right after: {handed_after} of {args.reps} handed over")
     print(f"every verdict the fresh run's: {same}")
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "walls": walls, "same": same}
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "walls": walls,
+                    "same": same,
+                    "right_after_handed_over": handed_after,
+                }
             )
         )
 

@@ -44,19 +44,23 @@ _HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
 
 State = dict[str, Any]
 
+#: Looked at often (twice a module found, twice a module executed): made once.
+_SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+
+
+def encoded(environ: dict[str, str]) -> dict[bytes, bytes]:
+    """Variables as :func:`snapshot` holds them (``os.environ``'s own bytes)."""
+    return {os.fsencode(k): os.fsencode(v) for k, v in environ.items()}
+
 
 def snapshot() -> State:
     """What an import may change that a fork cannot take or a hand-over cannot replay."""
     return {
         "sys.path": list(sys.path),
-        "os.environ": dict(os.environ),
+        "os.environ": dict(os.environ._data),  # type: ignore[attr-defined]  # undecoded: cheap
         "the sys hooks": {name: getattr(sys, name, None) for name in _HOOKS},
         "threading.excepthook": threading.excepthook,
-        "signal handlers": {
-            s: signal.getsignal(s)
-            for s in signal.valid_signals()
-            if s not in (signal.SIGKILL, signal.SIGSTOP)
-        },
+        "signal handlers": {s: signal.getsignal(s) for s in _SIGNALS},
         "the root logger": (logging.root.level, list(logging.root.handlers)),
         "started a thread": set(threading.enumerate()),
         "initialised CUDA": cuda_initialised(),
@@ -84,8 +88,8 @@ def put_back(before: State) -> None:
     from cpq.rank import reset  # the rank's one way of setting os.environ in place
 
     sys.path[:] = before["sys.path"]
-    if dict(os.environ) != before["os.environ"]:
-        reset.set_environ(before["os.environ"])
+    if dict(os.environ._data) != before["os.environ"]:  # type: ignore[attr-defined]
+        reset.set_environ({os.fsdecode(k): os.fsdecode(v) for k, v in before["os.environ"].items()})
     for name, hook in before["the sys hooks"].items():
         setattr(sys, name, hook)
     threading.excepthook = before["threading.excepthook"]

@@ -72,6 +72,7 @@ class Server:
         self.last_used = time.monotonic()
         self.listener: socket.socket | None = None
         self.inode = -1
+        self._last_pass_s: Any = None  # the project's last pass, from its process's start
 
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's own code did what a fork cannot take
@@ -85,20 +86,27 @@ class Server:
         importenv.start_done()
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
+        self._last_pass_s = wire.read_warming(self.plan.key).get("pass_s")  # the project's
         self._note_warming()
         left_out = wire.read_left_out(self.plan.key)
+        planned = [name for name in self.plan.modules if name not in left_out]
+        imported = 0
         blame_ = blame.Blame(left_out)
         start = blame.snapshot()
-        start.update({"sys.path": self.plan.path, "os.environ": self.plan.environ})
+        start.update({"sys.path": self.plan.path, "os.environ": blame.encoded(self.plan.environ)})
 
         def after_import(name: str) -> bool:
+            nonlocal imported
             blame_.look(fallback=name)
             blame.put_back(start)
             blame_.again()
+            imported += 1
+            if imported % 20 == 0:
+                self._note_warming(imported / len(planned))
             return False
 
         ahead.plan(
-            [name for name in self.plan.modules if name not in left_out],
+            planned,
             self.plan.path,
             self.plan.cwd,
             self.plan.environ,
@@ -123,6 +131,8 @@ class Server:
                 log.info("and %d more modules left out ran again", len(again) - 5)
             return False
         self.watch.scan(self.started_ns)
+        pass_s = time.time() - self.started_ns / 1e9
+        wire.note_warming(self.plan.key, time.time(), pass_s, serving=True)
         log.info(
             "warm in %.2fs: %d modules loaded, %s waiting to be imported; left out: %s",
             time.perf_counter() - started,
@@ -132,14 +142,21 @@ class Server:
         )
         return True
 
-    def _note_warming(self) -> None:
+    def _note_warming(self, done: float = 0.0) -> None:
         """Say when this process expects to serve, for a session that comes meanwhile
-        (:func:`cpq.caller.wire.wait_until`): as long as its last pass took (it started
-        again), else as long as the session that planned it took to start."""
-        last = wire.read_warming(self.plan.key)
-        pass_s = last.get("pass_s") if last.get("pid") == os.getpid() else None
-        expected = float(pass_s) if isinstance(pass_s, (int, float)) else self.plan.start_s
-        wire.note_warming(self.plan.key, self.started_ns / 1e9 + expected, None)
+        (:func:`cpq.caller.wire.wait_until`): as long after its start as the project's last
+        pass took (this process's, when it started again); without one, as long as the
+        session that planned it took to start, or later where the pass's progress
+        (``done``: the share of the plan imported) says so — a first pass competes for the
+        CPUs with the session that started it."""
+        started = self.started_ns / 1e9
+        if isinstance(self._last_pass_s, (int, float)):
+            ready_by = started + float(self._last_pass_s)
+        else:
+            ready_by = started + self.plan.start_s
+            if done >= 0.1:
+                ready_by = max(ready_by, time.time() + (time.time() - started) * (1 / done - 1))
+        wire.note_warming(self.plan.key, ready_by, self._last_pass_s)
 
     # ---- the socket
 

@@ -177,14 +177,31 @@ def warming_path(key: str) -> Path:
     return folder() / f"{key}.warming.json"
 
 
-def note_warming(key: str, ready_by: float, pass_s: float | None) -> None:
+def note_warming(key: str, ready_by: float, pass_s: Any, serving: bool = False) -> None:
     """Say that this process warms ``key``'s project and expects to serve by ``ready_by``
-    (epoch seconds); ``pass_s``: how long its last pass took from the process's start (an
-    ``execv`` keeps the pid: the next pass reads it back)."""
+    (epoch seconds), or (``serving``) that it serves since; ``pass_s``: how long the
+    project's last pass took from its process's start (the next warm caller's estimate)."""
     target = warming_path(key)
     temporary = target.with_name(f"{target.name}.{os.getpid()}")
-    temporary.write_text(json.dumps({"pid": os.getpid(), "ready_by": ready_by, "pass_s": pass_s}))
+    said = {"pid": os.getpid(), "ready_by": ready_by, "pass_s": pass_s, "serving": serving}
+    temporary.write_text(json.dumps(said))
     os.replace(temporary, target)
+
+
+def still_warming(key: str) -> bool:
+    """Whether a warm caller of ``key``'s project is importing now (alive, not serving)."""
+    warming = read_warming(key)
+    return bool(warming) and not warming.get("serving") and alive(int(warming["pid"]))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid: not ours, but alive
+        return True
+    return True
 
 
 def read_warming(key: str) -> dict[str, Any]:

@@ -113,26 +113,18 @@ def _wait_for_warming(key: str) -> socket.socket | None:
     second ``pytest`` right after a first one. Polls its socket, and gives up when it
     exits."""
     plan = _read_plan(key)
+    start_s, since = (plan.start_s if plan else 0.0), time.time()
     warming = wire.read_warming(key)
-    until = wire.wait_until(warming, plan.start_s if plan else 0.0, time.time())
+    until = wire.wait_until(warming, start_s, since)
     while time.time() < until:
         time.sleep(0.1)  # polling the socket a warming process binds when it is ready
         sock = wire.connect(wire.socket_path(key), 2.0)
         if sock is not None:
             return sock
-        if not _alive(int(warming["pid"])):
-            return None
+        warming = wire.read_warming(key) or warming  # its estimate, as its pass goes on
+        if not wire.alive(int(warming["pid"])) or float(warming["ready_by"]) > since + start_s:
+            return None  # gone, or now later than a start of this session's own
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that pid: not ours, but alive
-        return True
-    return True
 
 
 def at_session_start(config: Any) -> None:
@@ -156,10 +148,13 @@ def at_session_start(config: Any) -> None:
 def at_end(config: Any) -> None:
     """``pytest_unconfigure``: when this session imported what the project's warm caller
     does not import ahead, or none served it, start one that does (it takes over from the
-    old one once ready)."""
+    old one once ready) — unless the one this session started is still importing: a second
+    would compete with it for the CPUs, and the next session plans what this one added."""
     if not _start or not _worth_it():
         return
     try:
+        if "spawned" in _start and wire.still_warming(_start["key"]):
+            return  # the one this session started imports still: a second would slow it
         old = _read_plan(_start["key"])
         modules = modules_to_plan(_test_file_patterns(config))
         unserved = _served() is None and (
