@@ -235,7 +235,7 @@ class _Finder:
         if spec is None:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _Loader(spec.loader, self.blame)
+            spec.loader = _bracketed(spec.loader, self.blame)
         return spec
 
     def _find(self, name: str, path: Any, target: Any) -> Any:
@@ -248,29 +248,47 @@ class _Finder:
         return None
 
 
-class _Loader:
-    """The real loader's, bracketed; the module and its spec get the real loader back
-    before its body runs (nothing of the pass stays on them)."""
-
-    def __init__(self, real: Any, blame: Blame) -> None:
-        self.real = real
-        self.blame = blame
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self.real, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: Any) -> None:
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and spec.loader is self:
-            spec.loader = self.real
-        if getattr(module, "__loader__", None) is self:
-            module.__loader__ = self.real
-        self.blame._starting(spec.name if spec is not None else module.__name__)
+def _bracketed(real: Any, blame: Blame) -> Any:
+    """``real``, its ``exec_module`` bracketed: an instance of a subclass of its class made
+    here, with its attributes, so that code that looks at a spec it finds meanwhile
+    (``importlib.util.find_spec(name).loader``: ``isinstance``, ``get_filename``) sees the
+    loader it would see in a fresh process. A loader that is a class (builtins, frozen
+    modules) or whose class takes no subclass is left as it is: what its modules do is
+    then the enclosing module's."""
+    cls = type(real)
+    if isinstance(real, type) or not hasattr(real, "__dict__"):
+        return real
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
         try:
-            self.real.exec_module(module)
-        finally:
-            self.blame._ended()
+            sub = type(cls.__name__, (cls,), {"exec_module": _exec_bracketed})
+        except TypeError:
+            return real
+        sub.__qualname__, sub.__module__ = cls.__qualname__, cls.__module__
+        _SUBCLASSES[cls] = sub
+    bracketed: Any = object.__new__(sub)
+    bracketed.__dict__.update(real.__dict__)
+    bracketed.__dict__["_cpq_real"], bracketed.__dict__["_cpq_blame"] = real, blame
+    return bracketed
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _exec_bracketed(self: Any, module: Any) -> None:
+    """The subclass's ``exec_module``: the module and its spec get the real loader back
+    before its body runs (nothing of the pass stays on them), and the body is bracketed."""
+    real, blame = self.__dict__["_cpq_real"], self.__dict__["_cpq_blame"]
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and spec.loader is self:
+        spec.loader = real
+    if getattr(module, "__loader__", None) is self:
+        module.__loader__ = real
+    blame._starting(spec.name if spec is not None else module.__name__)
+    try:
+        real.exec_module(module)
+    finally:
+        blame._ended()
 
 
 def _importing_code() -> str:

@@ -72,7 +72,7 @@ class Server:
         self.last_used = time.monotonic()
         self.listener: socket.socket | None = None
         self.inode = -1
-        self._last_pass_s: Any = None  # the project's last pass, from its process's start
+        self._last_pass_s: float | None = None  # the project's last pass, from its start
 
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's own code did what a fork cannot take
@@ -86,7 +86,8 @@ class Server:
         importenv.start_done()
         self.watch.scan(self.started_ns)
         started = time.perf_counter()
-        self._last_pass_s = wire.read_warming(self.plan.key).get("pass_s")  # the project's
+        last = wire.read_warming(self.plan.key).get("pass_s")  # the project's last pass
+        self._last_pass_s = float(last) if isinstance(last, (int, float)) else None
         self._note_warming()
         left_out = wire.read_left_out(self.plan.key)
         planned = [name for name in self.plan.modules if name not in left_out]
@@ -116,19 +117,7 @@ class Server:
         if ahead.last_refusal and not blame_.blamed:  # refused for what no import was seen doing
             blame_.blamed["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
         if blame_.blamed:  # what it imported is not what a fork may take: never served as it is
-            left_out = wire.add_left_out(self.plan.key, blame_.blamed, blame_.needing())
-            pass_s = time.time() - self.started_ns / 1e9  # what the next pass will take
-            wire.note_warming(self.plan.key, time.time() + pass_s, pass_s)
-            log.info(
-                "leaving out %s, and %d modules that need them; starting again",
-                "; ".join(f"{name}: its code {why}" for name, why in blame_.blamed.items())[:1000],
-                len(left_out.needing),
-            )
-            again = list(blame_.ran_again.items())  # dependencies the record did not see
-            for name, where in again[:5]:
-                log.info("%s ran again although left out, %s", name, where)
-            if len(again) > 5:
-                log.info("and %d more modules left out ran again", len(again) - 5)
+            self._leave_out(blame_)
             return False
         self.watch.scan(self.started_ns)
         pass_s = time.time() - self.started_ns / 1e9
@@ -142,6 +131,22 @@ class Server:
         )
         return True
 
+    def _leave_out(self, blame_: blame.Blame) -> None:
+        """What the pass blamed and what needs it, to ``KEY.exclude.json`` and the log."""
+        left_out = wire.add_left_out(self.plan.key, blame_.blamed, blame_.needing())
+        pass_s = time.time() - self.started_ns / 1e9  # what the next pass will take
+        wire.note_warming(self.plan.key, time.time() + pass_s, pass_s)
+        log.info(
+            "leaving out %s, and %d modules that need them; starting again",
+            "; ".join(f"{name}: its code {why}" for name, why in blame_.blamed.items())[:1000],
+            len(left_out.needing),
+        )
+        again = list(blame_.ran_again.items())  # dependencies the record did not see
+        for name, where in again[:5]:
+            log.info("%s ran again although left out, %s", name, where)
+        if len(again) > 5:
+            log.info("and %d more modules left out ran again", len(again) - 5)
+
     def _note_warming(self, done: float = 0.0) -> None:
         """Say when this process expects to serve, for a session that comes meanwhile
         (:func:`cpq.caller.wire.wait_until`): as long after its start as the project's last
@@ -150,8 +155,8 @@ class Server:
         (``done``: the share of the plan imported) says so — a first pass competes for the
         CPUs with the session that started it."""
         started = self.started_ns / 1e9
-        if isinstance(self._last_pass_s, (int, float)):
-            ready_by = started + float(self._last_pass_s)
+        if self._last_pass_s is not None:
+            ready_by = started + self._last_pass_s
         else:
             ready_by = started + self.plan.start_s
             if done >= 0.1:

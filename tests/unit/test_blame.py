@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import importlib.machinery
 import os
 import sys
 from collections.abc import Iterator
@@ -125,10 +126,24 @@ def test_the_modules_loaded_keep_their_own_loaders_and_the_hooks_go(project: Pat
     _pass(["bl_clean", "bl_pkg"])
     for name in ("bl_clean", "bl_pkg", "bl_pkg.setter"):
         module = sys.modules[name]
-        assert type(module.__loader__).__name__ == "SourceFileLoader", name
+        assert type(module.__loader__) is importlib.machinery.SourceFileLoader, name
         assert module.__spec__ is not None and module.__spec__.loader is module.__loader__
     assert builtins.__import__ is real_import
     assert sys.meta_path == finders
+
+
+def test_a_spec_found_meanwhile_has_a_loader_of_its_kind(project: Path) -> None:
+    """Code that finds a module during the pass sees the loader a fresh process would."""
+    (project / "bl_probe.py").write_text(
+        "import importlib.machinery, importlib.util\n"
+        "SPEC = importlib.util.find_spec('bl_clean')\n"
+        "KIND = isinstance(SPEC.loader, importlib.machinery.SourceFileLoader)\n"
+        "FILE = SPEC.loader.get_filename('bl_clean')\n"
+    )
+    _pass(["bl_probe"])
+    probe = sys.modules["bl_probe"]
+    found_kind, found_file = probe.KIND, probe.FILE
+    assert found_kind and found_file == os.fspath(project / "bl_clean.py")
 
 
 def test_a_pass_that_changes_nothing_blames_nothing(project: Path) -> None:
