@@ -177,7 +177,7 @@ def warming_path(key: str) -> Path:
     return folder() / f"{key}.warming.json"
 
 
-def note_warming(key: str, ready_by: float, pass_s: Any, serving: bool = False) -> None:
+def note_warming(key: str, ready_by: float, pass_s: float | None, serving: bool = False) -> None:
     """Say that this process warms ``key``'s project and expects to serve by ``ready_by``
     (epoch seconds), or (``serving``) that it serves since; ``pass_s``: how long the
     project's last pass took from its process's start (the next warm caller's estimate)."""
