@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -37,7 +38,7 @@ import signal
 import sys
 import threading
 import types
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 _HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
@@ -46,6 +47,12 @@ State = dict[str, Any]
 
 #: Looked at often (twice a module found, twice a module executed): made once.
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+
+
+def _environ() -> dict[bytes, bytes]:
+    """The variables, undecoded (cheap); also where a module replaced ``os.environ``."""
+    data = getattr(os.environ, "_data", None)
+    return dict(data) if isinstance(data, dict) else encoded(dict(os.environ))
 
 
 def encoded(environ: dict[str, str]) -> dict[bytes, bytes]:
@@ -57,7 +64,7 @@ def snapshot() -> State:
     """What an import may change that a fork cannot take or a hand-over cannot replay."""
     return {
         "sys.path": list(sys.path),
-        "os.environ": dict(os.environ._data),  # type: ignore[attr-defined]  # undecoded: cheap
+        "os.environ": _environ(),
         "the sys hooks": {name: getattr(sys, name, None) for name in _HOOKS},
         "threading.excepthook": threading.excepthook,
         "signal handlers": {s: signal.getsignal(s) for s in _SIGNALS},
@@ -88,7 +95,7 @@ def put_back(before: State) -> None:
     from cpq.rank import reset  # the rank's one way of setting os.environ in place
 
     sys.path[:] = before["sys.path"]
-    if dict(os.environ._data) != before["os.environ"]:  # type: ignore[attr-defined]
+    if _environ() != before["os.environ"]:
         reset.set_environ({os.fsdecode(k): os.fsdecode(v) for k, v in before["os.environ"].items()})
     for name, hook in before["the sys hooks"].items():
         setattr(sys, name, hook)
@@ -112,6 +119,7 @@ class Blame:
         self._left_out = left_out
         self._needs: dict[str, set[str]] = {}  # importer -> what it imports
         self._running: list[str] = []  # the modules whose bodies run, innermost last
+        self._wrappers: dict[int, Any] = {}  # id of a wrapper -> the function it wraps
         self._last = snapshot()
 
     def look(self, fallback: str = "") -> None:
@@ -158,7 +166,10 @@ class Blame:
             level: int = 0,
         ) -> Any:
             module = real_import(name, globals, locals, fromlist, level)
-            self._record(name, globals, fromlist, level)
+            try:
+                self._record(name, globals, fromlist, level)
+            except Exception as exc:  # never into the import it watches
+                self._broke(exc)
             return module
 
         real_import_module = importlib.import_module
@@ -166,11 +177,16 @@ class Blame:
         def import_module(name: str, package: str | None = None) -> Any:
             module = real_import_module(name, package)
             if self._running:  # also a module loaded already: setuptools' distutils finder
-                with contextlib.suppress(ImportError, ValueError, TypeError):
+                try:
                     absolute = importlib.util.resolve_name(name, package)
                     self._needs.setdefault(self._running[-1], set()).add(absolute)
+                except Exception as exc:  # never into the import it watches
+                    self._broke(exc)
             return module
 
+        functools.update_wrapper(traced, real_import)
+        functools.update_wrapper(import_module, real_import_module)
+        self._wrappers = {id(traced): real_import, id(import_module): real_import_module}
         sys.meta_path.insert(0, finder)
         builtins.__import__ = traced  # type: ignore[assignment]  # same call, a wider hint
         importlib.import_module = import_module
@@ -181,6 +197,18 @@ class Blame:
             builtins.__import__ = real_import
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(finder)
+
+    def unwrap(self, modules: Iterable[Any]) -> None:
+        """Put the real functions back where a module of the pass took a reference to a
+        wrapper (``from importlib import import_module``): a fork must not call it."""
+        for module in modules:
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                real = self._wrappers.get(id(value))
+                if real is not None:
+                    namespace[name] = real
 
     def _record(self, name: str, globals: Any, fromlist: Any, level: int) -> None:
         """An import statement ran: the module whose body runs needs what it imports (also
@@ -195,26 +223,38 @@ class Blame:
             return
         needs = self._needs.setdefault(self._running[-1], set())
         needs.add(target)
-        for each in fromlist or ():
+        for each in fromlist if isinstance(fromlist, (list, tuple)) else ():
             if isinstance(each, str) and f"{target}.{each}" in sys.modules:
                 needs.add(f"{target}.{each}")
 
     def _starting(self, name: str) -> None:
-        self.look()  # what ran before this module's body is the enclosing module's doing
-        if name in self._left_out and name not in self.ran_again:
-            self.ran_again[name] = (
-                f"under {' > '.join(self._running[-3:])}" if self._running else _importing_code()
-            )
-        if self._running:
-            self._needs.setdefault(self._running[-1], set()).add(name)
-        parent = name.rpartition(".")[0]
-        if parent:
-            self._needs.setdefault(name, set()).add(parent)
+        try:
+            self.look()  # what ran before this module's body is the enclosing module's doing
+            if name in self._left_out and name not in self.ran_again:
+                self.ran_again[name] = (
+                    f"under {' > '.join(self._running[-3:])}"
+                    if self._running
+                    else _importing_code()
+                )
+            if self._running:
+                self._needs.setdefault(self._running[-1], set()).add(name)
+            parent = name.rpartition(".")[0]
+            if parent:
+                self._needs.setdefault(name, set()).add(parent)
+        except Exception as exc:  # never into the import it watches
+            self._broke(exc)
         self._running.append(name)
 
     def _ended(self) -> None:
-        self.look()
+        try:
+            self.look()
+        except Exception as exc:
+            self._broke(exc)
         self._running.pop()
+
+    def _broke(self, exc: Exception) -> None:
+        """The record itself failed: the pass is not to be trusted (fail closed, ``"*"``)."""
+        self.blamed.setdefault("*", f"the import record failed: {type(exc).__name__}: {exc}")
 
 
 class _Finder:
@@ -235,7 +275,10 @@ class _Finder:
         if spec is None:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _bracketed(spec.loader, self.blame)
+            try:
+                spec.loader = _bracketed(spec.loader, self.blame)
+            except Exception as exc:  # the module loads as it would: not bracketed
+                self.blame._broke(exc)
         return spec
 
     def _find(self, name: str, path: Any, target: Any) -> Any:
@@ -266,7 +309,10 @@ def _bracketed(real: Any, blame: Blame) -> Any:
             return real
         sub.__qualname__, sub.__module__ = cls.__qualname__, cls.__module__
         _SUBCLASSES[cls] = sub
-    bracketed: Any = object.__new__(sub)
+    try:
+        bracketed: Any = object.__new__(sub)
+    except TypeError:  # a class with a base of C's own (a dict's subclass)
+        return real
     bracketed.__dict__.update(real.__dict__)
     bracketed.__dict__["_cpq_real"], bracketed.__dict__["_cpq_blame"] = real, blame
     return bracketed

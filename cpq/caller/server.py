@@ -114,6 +114,7 @@ class Server:
         )
         with blame_.watching():
             self.reads = ahead.warm(after_import=after_import)
+        blame_.unwrap([*sys.modules.values(), *ahead.held_modules()])
         if ahead.last_refusal and not blame_.blamed:  # refused for what no import was seen doing
             blame_.blamed["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
         if blame_.blamed:  # what it imported is not what a fork may take: never served as it is
@@ -122,6 +123,7 @@ class Server:
         self.watch.scan(self.started_ns)
         pass_s = time.time() - self.started_ns / 1e9
         wire.note_warming(self.plan.key, time.time(), pass_s, serving=True)
+        wire.passes_served(self.plan.key)
         log.info(
             "warm in %.2fs: %d modules loaded, %s waiting to be imported; left out: %s",
             time.perf_counter() - started,

@@ -149,6 +149,17 @@ def add_left_out(key: str, blamed: dict[str, str], needing: dict[str, str]) -> L
         return left_out
 
 
+def passes_served(key: str) -> None:
+    """A pass served: the count of passes that blamed a module starts again (it bounds one
+    run of restarts, not a project's life)."""
+    with open(folder() / f"{key}.exclude.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        left_out = read_left_out(key)
+        if left_out.passes:
+            left_out.passes = 0
+            write_left_out(key, left_out)
+
+
 def gave_up(key: str) -> bool:
     """Whether ``key``'s project gets no warm caller (:meth:`LeftOut.gave_up`)."""
     return read_left_out(key).gave_up()
@@ -177,13 +188,16 @@ def warming_path(key: str) -> Path:
     return folder() / f"{key}.warming.json"
 
 
-def note_warming(key: str, ready_by: float, pass_s: float | None, serving: bool = False) -> None:
-    """Say that this process warms ``key``'s project and expects to serve by ``ready_by``
-    (epoch seconds), or (``serving``) that it serves since; ``pass_s``: how long the
-    project's last pass took from its process's start (the next warm caller's estimate)."""
+def note_warming(
+    key: str, ready_by: float, pass_s: float | None, serving: bool = False, pid: int = 0
+) -> None:
+    """Say that this process (``pid``: the one just started) warms ``key``'s project and
+    expects to serve by ``ready_by`` (epoch seconds), or (``serving``) that it serves since;
+    ``pass_s``: how long the project's last pass took from its process's start (the next
+    warm caller's estimate)."""
     target = warming_path(key)
     temporary = target.with_name(f"{target.name}.{os.getpid()}")
-    said = {"pid": os.getpid(), "ready_by": ready_by, "pass_s": pass_s, "serving": serving}
+    said = {"pid": pid or os.getpid(), "ready_by": ready_by, "pass_s": pass_s, "serving": serving}
     temporary.write_text(json.dumps(said))
     os.replace(temporary, target)
 
@@ -210,11 +224,14 @@ def read_warming(key: str) -> dict[str, Any]:
         raw = json.loads(warming_path(key).read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(raw, dict) or not isinstance(raw.get("pid"), int):
+    if not isinstance(raw, dict):
         return {}
-    if not isinstance(raw.get("ready_by"), (int, float)):
+    pid, ready_by = raw.get("pid"), raw.get("ready_by")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
         return {}
-    return raw
+    if not isinstance(ready_by, (int, float)):
+        return {}
+    return dict(raw)
 
 
 def wait_until(warming: dict[str, Any], start_s: float, now: float) -> float:
@@ -268,6 +285,8 @@ class Plan:
             plan = cls(**raw)
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise WireError(f"unreadable plan {path}: {exc}") from None
+        if not isinstance(plan.start_s, (int, float)) or isinstance(plan.start_s, bool):
+            raise WireError(f"plan {path}: start_s must be a number of seconds")
         fields = (plan.modules, plan.path, plan.interpreter)
         if not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in fields):
             raise WireError(f"plan {path}: modules, path and interpreter must be lists of text")

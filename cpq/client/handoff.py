@@ -112,18 +112,21 @@ def _wait_for_warming(key: str) -> socket.socket | None:
     this session would have started by itself (:func:`cpq.caller.wire.wait_until`) — a
     second ``pytest`` right after a first one. Polls its socket, and gives up when it
     exits."""
-    plan = _read_plan(key)
-    start_s, since = (plan.start_s if plan else 0.0), time.time()
-    warming = wire.read_warming(key)
-    until = wire.wait_until(warming, start_s, since)
-    while time.time() < until:
-        time.sleep(0.1)  # polling the socket a warming process binds when it is ready
-        sock = wire.connect(wire.socket_path(key), 2.0)
-        if sock is not None:
-            return sock
-        warming = wire.read_warming(key) or warming  # its estimate, as its pass goes on
-        if not wire.alive(int(warming["pid"])) or float(warming["ready_by"]) > since + start_s:
-            return None  # gone, or now later than a start of this session's own
+    try:
+        plan = _read_plan(key)
+        start_s, since = (plan.start_s if plan else 0.0), time.time()
+        warming = wire.read_warming(key)
+        until = wire.wait_until(warming, start_s, since)
+        while time.time() < until:
+            time.sleep(0.1)  # polling the socket a warming process binds when it is ready
+            sock = wire.connect(wire.socket_path(key), max(0.1, min(2.0, until - time.time())))
+            if sock is not None:
+                return sock
+            warming = wire.read_warming(key) or warming  # its estimate, as its pass goes on
+            if not wire.alive(int(warming["pid"])) or float(warming["ready_by"]) > since + start_s:
+                return None  # gone, or now later than a start of this session's own
+    except Exception:  # an optimisation only: the session runs here
+        return None
     return None
 
 
@@ -417,8 +420,9 @@ def _spawn(plan_file: Path, plan: wire.Plan) -> None:
     """Start the warm caller of ``plan`` in the background (it replaces one that serves an
     older plan: that one closes when it sees the plan change)."""
     log_file = wire.folder() / f"{plan.key}.log"
+    last_pass_s = wire.read_warming(plan.key).get("pass_s")
     with open(log_file, "ab") as log:
-        subprocess.Popen(
+        process = subprocess.Popen(
             [*plan.interpreter, "-m", "cpq.caller", str(plan_file)],
             cwd=plan.cwd,
             env=plan.environ,
@@ -428,3 +432,8 @@ def _spawn(plan_file: Path, plan: wire.Plan) -> None:
             start_new_session=True,
             close_fds=True,
         )
+    # Warming from now on, before its interpreter has started: a session that ends, or one
+    # that comes, meanwhile must see it (its own note replaces this one).
+    last = float(last_pass_s) if isinstance(last_pass_s, (int, float)) else None
+    expected = plan.start_s if last is None else last
+    wire.note_warming(plan.key, time.time() + expected, last, pid=process.pid)

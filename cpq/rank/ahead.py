@@ -140,6 +140,12 @@ def held() -> list[str]:
     return sorted(_parts)
 
 
+def held_modules() -> list[Any]:
+    """The modules imported ahead and not yet handed over (out of ``sys.modules``)."""
+    parts = {id(part): part for part in _parts.values()}.values()  # a part holds several tops
+    return [module for part in parts for module in part.detached.modules.values()]
+
+
 def drop(why: str) -> None:
     """Forget every part still waiting (the next import of them is a fresh one)."""
     if _parts:

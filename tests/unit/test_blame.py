@@ -34,6 +34,9 @@ FILES = {
     "bl_tool.py": "def use():\n    import bl_pathy\n",
     "bl_caller.py": "import bl_tool\nbl_tool.use()\n",
     "bl_found.py": "X = 1\n",
+    "bl_refs.py": (
+        "import builtins\nfrom importlib import import_module\nIMPORT = builtins.__import__\n"
+    ),
 }
 
 
@@ -144,6 +147,31 @@ def test_a_spec_found_meanwhile_has_a_loader_of_its_kind(project: Path) -> None:
     probe = sys.modules["bl_probe"]
     found_kind, found_file = probe.KIND, probe.FILE
     assert found_kind and found_file == os.fspath(project / "bl_clean.py")
+
+
+def test_references_a_module_took_to_the_import_functions_are_the_real_ones_after(
+    project: Path,
+) -> None:
+    real_import_module, real_import = importlib.import_module, builtins.__import__
+    record = blame.Blame()
+    with record.watching():
+        importlib.import_module("bl_refs")
+        taken = sys.modules["bl_refs"].import_module
+        assert taken is not real_import_module and taken.__name__ == "import_module"
+    record.unwrap([sys.modules["bl_refs"]])
+    refs = sys.modules["bl_refs"]
+    assert refs.import_module is real_import_module and refs.IMPORT is real_import
+
+
+def test_the_record_never_raises_into_the_import_it_watches(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = blame.Blame()
+    with record.watching():
+        assert __import__("os", fromlist=1) is os  # what the interpreter takes, it takes
+        monkeypatch.setattr(os, "environ", dict(os.environ))  # a module replaced it
+        importlib.import_module("bl_clean")
+    assert "bl_clean" in sys.modules and "*" not in record.blamed
 
 
 def test_a_pass_that_changes_nothing_blames_nothing(project: Path) -> None:
