@@ -13,12 +13,14 @@ before it (:mod:`cpq.client.handoff`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,12 +137,19 @@ def write_left_out(key: str, left_out: LeftOut) -> None:
     os.replace(temporary, target)
 
 
+@contextlib.contextmanager
+def _left_out_locked(key: str) -> Iterator[None]:
+    """``KEY.exclude.json`` to read and write alone (released when the lock file closes)."""
+    with open(folder() / f"{key}.exclude.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def add_left_out(key: str, blamed: dict[str, str], needing: dict[str, str]) -> LeftOut:
     """Add one pass's findings to what ``key``'s warm callers leave out, and count the pass.
     Under a lock: a project may have two warm callers warming at once (one a session started
     at its start, one at its end), and neither may lose the other's findings."""
-    with open(folder() / f"{key}.exclude.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with _left_out_locked(key):
         left_out = read_left_out(key)
         left_out.blamed.update(blamed)
         left_out.needing.update({k: v for k, v in needing.items() if k not in left_out.blamed})
@@ -152,8 +161,7 @@ def add_left_out(key: str, blamed: dict[str, str], needing: dict[str, str]) -> L
 def passes_served(key: str) -> None:
     """A pass served: the count of passes that blamed a module starts again (it bounds one
     run of restarts, not a project's life)."""
-    with open(folder() / f"{key}.exclude.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _left_out_locked(key):
         left_out = read_left_out(key)
         if left_out.passes:
             left_out.passes = 0
