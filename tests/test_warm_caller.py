@@ -332,3 +332,61 @@ def test_an_xdist_session_is_handed_over_and_keeps_the_projects_warm_caller(
     )
     plans = list((project.parent / "state").resolve().glob("callers/*.plan.json"))
     assert len(plans) == 1, plans
+
+
+RECORDS_TO_THE_CALLERS_DESCRIPTOR = """
+import os
+
+def _callers_descriptor() -> int:
+    # The descriptor the shell passed (CALLER_FD): in the calling process only; a rank's
+    # descriptor of that number, if any, is another file.
+    try:
+        fd = int(os.environ["CALLER_FD"])
+        return fd if os.fstat(fd).st_ino == int(os.environ["CALLER_FD_INO"]) else -1
+    except (KeyError, ValueError, OSError):
+        return -1
+
+_fd = _callers_descriptor()
+if _fd >= 0:
+    _first = os.open(os.devnull, os.O_RDONLY)  # the lowest free number, as in a fresh process
+    os.close(_first)
+    os.write(_fd, f"the caller's descriptor {_fd}; first free {_first}\\n".encode())
+"""
+
+
+def test_a_descriptor_the_shell_passed_is_the_handed_over_sessions_at_its_number(
+    project: Path,
+) -> None:
+    """``pytest 7>file`` (``make``'s jobserver, a shell's ``/dev/fd/63``): the fork has the
+    caller's descriptor at its number, and the numbers below it that the caller has free are
+    free in the fork too — what a conftest of each session writes there is the same."""
+    conftest = project / "conftest.py"
+    conftest.write_text(RECORDS_TO_THE_CALLERS_DESCRIPTOR + conftest.read_text())
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    written = {}
+    for warm in ("0", "1"):
+        record = project.parent / f"passed-{warm}.txt"
+        with open(record, "wb") as out:
+            fd = os.dup(out.fileno())
+            try:
+                done = subprocess.run(
+                    [*PYTEST, f"--junitxml={project.parent / warm}.xml"],
+                    cwd=project,
+                    env=_env(
+                        project,
+                        warm,
+                        CALLER_FD=str(fd),
+                        CALLER_FD_INO=str(os.fstat(fd).st_ino),
+                    ),
+                    pass_fds=(fd,),
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            finally:
+                os.close(fd)
+        written[warm] = (done.returncode, _verdicts(project, warm), record.read_text())
+    assert _served(project) == 1, _log(project)
+    assert written["1"] == written["0"]
+    assert written["0"][2].startswith("the caller's descriptor "), written

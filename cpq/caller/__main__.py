@@ -1,6 +1,10 @@
 """``python -m cpq.caller PLAN``: the warm caller's process (:mod:`cpq.caller.server`)."""
 
-from cpq.rank import importenv
+from cpq.caller import descriptors
+
+descriptors.reserve()  # before anything opens one: the numbers a caller's descriptors take
+
+from cpq.rank import importenv  # noqa: E402
 
 importenv.install()  # first: what every later import reads is checked against each caller
 

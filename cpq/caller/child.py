@@ -1,7 +1,8 @@
 """The warm caller's fork becoming the calling pytest process.
 
 Everything a process gets from the shell that started it is the caller's, not the warm
-caller's: the three standard descriptors (received over the socket), the variables, the
+caller's: its descriptors (received over the socket, each put at its number:
+:mod:`cpq.caller.descriptors`), the variables, the
 working directory, the umask, the CPU affinity, ``sys.argv``/``sys.orig_argv``, the import
 path, ``__main__`` (pytest's, so ``multiprocessing``'s spawn re-imports the right one) and
 ``sys.stdin``/``stdout``/``stderr`` built over the new descriptors with the caller's
@@ -28,7 +29,7 @@ import sys
 import types
 from typing import Any, NoReturn
 
-from cpq.caller import wire
+from cpq.caller import descriptors, wire
 from cpq.rank import reset
 
 
@@ -36,9 +37,7 @@ def become(message: dict[str, Any], fds: list[int], conn: socket.socket) -> NoRe
     conn.close()
     os.setpgid(0, 0)
     _set_signals(message)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
+    descriptors.install(fds, message.get("fds", [0, 1, 2]))
     os.umask(message["umask"])
     os.chdir(message["cwd"])
     reset.set_environ(message["environ"])

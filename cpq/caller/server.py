@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cpq import environ
-from cpq.caller import blame, wire
+from cpq.caller import blame, descriptors, wire
 from cpq.rank import ahead, boundary, freshness, importenv
 
 log = logging.getLogger("cpq.caller")
@@ -226,7 +226,7 @@ class Server:
         conn.settimeout(5.0)
         fds: list[int] = []
         try:
-            message, fds = wire.recv(conn, maxfds=3)
+            message, fds = wire.recv(conn, maxfds=descriptors.TOP + 1)
             if message is None:
                 conn.close()
                 return
@@ -269,9 +269,15 @@ class Server:
             self.closing = why
 
     def _check(self, message: dict[str, Any], fds: list[int]) -> None:
-        if len(fds) != 3:
-            raise Refused(f"expected the 3 standard descriptors, got {len(fds)}")
         _check_shape(message)
+        numbers = message.get("fds", [0, 1, 2])
+        if not (isinstance(numbers, list) and all(type(n) is int for n in numbers)):
+            raise Refused("fds must be a list of descriptor numbers")
+        if len(numbers) != len(fds):
+            raise Refused(f"{len(numbers)} descriptor numbers for {len(fds)} descriptors")
+        why = descriptors.refusal(numbers)
+        if why:
+            raise Refused(why)
         if message.get("interpreter") != wire.interpreter_identity():
             raise Refused("another interpreter or other interpreter options")
         changed = self.watch.changed()

@@ -3,10 +3,10 @@
 At ``pytest_load_initial_conftests`` — before any conftest imports, the first of the
 plugin's hooks that knows the options and the rootdir — a ``--cpq-world-size`` session asks
 the project's warm caller (:mod:`cpq.caller`) to run it: the command line, variables,
-working directory, umask, affinity, import path and the three standard descriptors go
-over; a fork of the warm caller runs the session with them, and this process only relays
-signals and exits with the fork's status. Refused or absent, the session runs here as
-always.
+working directory, umask, affinity, import path and descriptors (0-2 and whatever else the
+shell passed, at their numbers) go over; a fork of the warm caller runs the session with
+them, and this process only relays signals and exits with the fork's status. Refused or
+absent, the session runs here as always.
 
 At the session's end (``pytest_unconfigure``) the session writes the project's **plan** —
 the modules it imported, in order, and how it started — and starts a warm caller from it
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from cpq.caller import wire
+from cpq.caller import descriptors, wire
 
 #: The import path and variables as the interpreter started (this module is imported by
 #: the plugin while pytest loads its plugins, before anything of the session changed them).
@@ -220,8 +220,9 @@ def why_not(config: Any) -> str:
         return "traced"
     if sys.flags.interactive or sys.flags.verbose or "importtime" in sys._xoptions:
         return "interpreter options that watch this process (-i, -v, -X importtime)"
-    if _inherited_descriptors():
-        return f"descriptors {_inherited_descriptors()} passed to it (3>file, /dev/fd/N)"
+    beyond = [fd for fd in _inherited_descriptors() if fd > descriptors.TOP]
+    if beyond:
+        return f"descriptors {beyond} passed to it, above {descriptors.TOP}"
     if getattr(options, "cov_source", None) or any(k.startswith("COV_CORE_") for k in os.environ):
         return "under coverage"
     if _main_info() is None:
@@ -243,8 +244,10 @@ def _monitored() -> bool:
 
 
 def _inherited_descriptors() -> list[int]:
-    """Descriptors above 2 a child would inherit: what the shell passed this process (the
-    fork gets 0-2 only)."""
+    """Descriptors above 2 a child would inherit: what the shell passed this process
+    (``3>file``, ``/dev/fd/63``, ``make``'s jobserver), which the fork gets at the same
+    numbers (:mod:`cpq.caller.descriptors`). Python opens its own descriptors
+    non-inheritable: pytest's capture files and this plugin's socket are not among them."""
     try:
         numbers = sorted(int(n) for n in os.listdir("/proc/self/fd"))
     except OSError:
@@ -280,8 +283,9 @@ def _hand_over(sock: socket.socket) -> str:
         "ignored": [name for name in _ALL_SIGNALS if _ignored(name)],
         "mask": sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     }
+    fds = message["fds"] = [0, 1, 2, *_inherited_descriptors()]
     try:
-        wire.send(sock, message, [0, 1, 2])
+        wire.send(sock, message, fds)
         sock.settimeout(30.0)
         reply, _ = wire.recv(sock)
     except (OSError, wire.WireError) as exc:
