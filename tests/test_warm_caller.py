@@ -390,3 +390,37 @@ def test_a_descriptor_the_shell_passed_is_the_handed_over_sessions_at_its_number
     assert _served(project) == 1, _log(project)
     assert written["1"] == written["0"]
     assert written["0"][2].startswith("the caller's descriptor "), written
+
+
+def test_a_variable_an_import_sets_is_set_in_the_handed_over_session_too(
+    project: Path,
+) -> None:
+    """``torch.compile``'s shape: an import sets a variable where it is unset. The warm
+    caller keeps the module (it is not left out) and sets the variable in each session
+    it hands over, as the import would have; a session that has the variable already —
+    where the import would not have set it — is not handed over."""
+    (project / "cache_default.py").write_text(
+        "import os\nos.environ.setdefault('HEAVY_CACHE', '/tmp/heavy-cache')\n"
+    )
+    conftest = project / "conftest.py"
+    conftest.write_text(
+        "import os, cache_default\n\n"
+        "def pytest_report_header():\n"
+        "    return f\"heavy cache: {os.environ.get('HEAVY_CACHE')}\"\n\n" + conftest.read_text()
+    )
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    assert "leaving out" not in _log(project)
+    assert "heavy cache: /tmp/heavy-cache" in own.stdout
+    _same_output(handed.stdout, own.stdout)
+    other = _session(project, "1", "other", HEAVY_CACHE="/other")
+    own_other = _session(project, "0", "own_other", HEAVY_CACHE="/other")
+    assert "its imports set HEAVY_CACHE, which this session has otherwise" in _log(project)
+    assert "heavy cache: /other" in own_other.stdout
+    _same_output(
+        other.stdout.replace("other.xml", "own.xml"),
+        own_other.stdout.replace("own_other.xml", "own.xml"),
+    )

@@ -39,6 +39,7 @@ import sys
 import threading
 import types
 from collections.abc import Container, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 _HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
@@ -109,6 +110,14 @@ def put_back(before: State) -> None:
     logging.root.handlers[:] = handlers
 
 
+@dataclass
+class Replay:
+    """What an import did that the process keeps and a fork can do again."""
+
+    #: Variables set (undecoded name -> the value last set).
+    environ: dict[bytes, bytes] = field(default_factory=dict)
+
+
 class Blame:
     """One pass's record: the modules blamed (name -> what its code did) and who needs whom."""
 
@@ -120,16 +129,33 @@ class Blame:
         self._needs: dict[str, set[str]] = {}  # importer -> what it imports
         self._running: list[str] = []  # the modules whose bodies run, innermost last
         self._wrappers: dict[int, Any] = {}  # id of a wrapper -> the function it wraps
+        #: What a module's import did that the process keeps and a fork can do again
+        #: (module -> its :class:`Replay`), and all of it together, in order.
+        self.replays: dict[str, Replay] = {}
+        self.environ_set: dict[bytes, bytes] = {}
         self._last = snapshot()
 
     def look(self, fallback: str = "") -> None:
         """Blame what changed since the last look on the module running now (``fallback``
-        when none runs: the plan's entry being imported)."""
+        when none runs: the plan's entry being imported) — but variables set (none removed)
+        are noted as the module's :class:`Replay`: ``torch.compile`` sets
+        ``TORCHINDUCTOR_CACHE_DIR`` where it is unset, and a fresh process keeps it from
+        then on. (Entries appended to ``sys.path`` are not: setuptools' ``_vendor`` let
+        modules that register torch operators load, and those keep their families in the
+        process, where what their imports warned could not be said again.)"""
         now = snapshot()
-        found = changes(self._last, now)
         who = self._running[-1] if self._running else fallback
+        seen, replay = dict(self._last), Replay()
+        was, environ = seen["os.environ"], now["os.environ"]
+        if who and environ != was and was.keys() <= environ.keys():
+            replay.environ = {k: v for k, v in environ.items() if was.get(k) != v}
+            seen["os.environ"] = environ
+        found = changes(seen, now)
         if found and who:
             self.blamed.setdefault(who, "; ".join(found))
+        if replay.environ:
+            self.replays.setdefault(who, Replay()).environ.update(replay.environ)
+            self.environ_set.update(replay.environ)
         self._last = now
 
     def again(self) -> None:

@@ -30,17 +30,21 @@ import types
 from typing import Any, NoReturn
 
 from cpq.caller import descriptors, wire
-from cpq.rank import reset
+from cpq.rank import ahead, reset
 
 
-def become(message: dict[str, Any], fds: list[int], conn: socket.socket) -> NoReturn:
+def become(
+    message: dict[str, Any], fds: list[int], conn: socket.socket, kept: ahead.Kept
+) -> NoReturn:
+    """Become the caller (``message``, its descriptors ``fds``); ``kept``: the variables
+    the imports of modules that stay loaded set, set again here as their import did there."""
     conn.close()
     os.setpgid(0, 0)
     _set_signals(message)
     descriptors.install(fds, message.get("fds", [0, 1, 2]))
     os.umask(message["umask"])
     os.chdir(message["cwd"])
-    reset.set_environ(message["environ"])
+    reset.set_environ({**message["environ"], **kept.environ})
     affinity = message.get("affinity")
     if affinity and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):

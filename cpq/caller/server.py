@@ -65,6 +65,10 @@ class Server:
         self.watch = freshness.CodeWatch()
         self.started_ns = started_ns
         self.reads: dict[str, str | None] = {}
+        #: Variables its imports set (name -> value), and what each fork does again from
+        #: its start (:meth:`_keep`).
+        self.environ_set: dict[str, str] = {}
+        self.at_fork = ahead.Kept()
         #: fork pid -> the connection to its caller (None: the caller is gone).
         self.children: dict[int, socket.socket | None] = {}
         self.closing = ""
@@ -96,9 +100,14 @@ class Server:
         start = blame.snapshot()
         start.update({"sys.path": self.plan.path, "os.environ": blame.encoded(self.plan.environ)})
 
+        kept = ahead.Kept()  # what the imports did that a fresh process keeps, in order
+
         def after_import(name: str) -> bool:
             nonlocal imported
             blame_.look(fallback=name)
+            if blame_.environ_set:  # later imports see them, as in a fresh process
+                start["os.environ"].update(blame_.environ_set)
+                kept.environ.update(_decoded(blame_.environ_set))
             blame.put_back(start)
             blame_.again()
             imported += 1
@@ -113,7 +122,8 @@ class Server:
             self.plan.environ,
         )
         with blame_.watching():
-            self.reads = ahead.warm(after_import=after_import)
+            self.reads = ahead.warm(after_import=after_import, kept=kept)
+        self._keep(blame_, kept)
         blame_.unwrap([*sys.modules.values(), *ahead.held_modules()])
         if ahead.last_refusal and not blame_.blamed:  # refused for what no import was seen doing
             blame_.blamed["*"] = ahead.last_refusal  # fail closed: the project gets no warm caller
@@ -125,13 +135,30 @@ class Server:
         wire.note_warming(self.plan.key, time.time(), pass_s, serving=True)
         wire.passes_served(self.plan.key)
         log.info(
-            "warm in %.2fs: %d modules loaded, %s waiting to be imported; left out: %s",
+            "warm in %.2fs: %d modules loaded, %s waiting to be imported; variables "
+            "its imports set (set again in each session): %s; left out: %s",
             time.perf_counter() - started,
             len(sys.modules),
             ", ".join(ahead.held())[:300] or "none",
+            ", ".join(sorted(kept.environ))[:300] or "none",
             ", ".join(f"{name} ({why})" for name, why in left_out.blamed.items())[:600] or "none",
         )
         return True
+
+    def _keep(self, blame_: blame.Blame, kept: ahead.Kept) -> None:
+        """The variables the imports set (a fresh process keeps them) are set again where
+        the module that set them is loaded: in each fork from its start (a module that
+        stays loaded), or when the session imports the part that holds it. Such a variable
+        binds none of the imports (a fresh process sets it too); the session's value
+        before the imports must be the one they found (:meth:`_check`)."""
+        self.environ_set = dict(kept.environ)
+        self.reads = {k: v for k, v in self.reads.items() if k not in kept.environ}
+        ahead.forget_reads(kept.environ)
+        self.at_fork = ahead.Kept()
+        for module, replay in blame_.replays.items():
+            each = ahead.Kept(_decoded(replay.environ))
+            if not ahead.keep_at_hand_over(module.partition(".")[0], each):
+                self.at_fork.environ.update(each.environ)
 
     def _leave_out(self, blame_: blame.Blame) -> None:
         """What the pass blamed and what needs it, to ``KEY.exclude.json`` and the log."""
@@ -243,7 +270,7 @@ class Server:
                 from cpq.caller import child
 
                 self._forget_sockets(keep=conn)
-                child.become(message, fds, conn)
+                child.become(message, fds, conn, self.at_fork)
             except SystemExit:
                 raise  # the session's end: the interpreter exits as a fresh one does
             except BaseException:
@@ -287,6 +314,9 @@ class Server:
         variable = _stale_in(self.reads, environ) or importenv.differs(environ)[0]
         if variable:
             raise Refused(f"its imports read {variable}, which differs for this session")
+        for name in self.environ_set:  # the value the imports found before they set it
+            if message["environ"].get(name) != self.plan.environ.get(name):
+                raise Refused(f"its imports set {name}, which this session has otherwise")
         variable = _start_var_differs(self.plan.environ, message["environ"])
         if variable:  # read natively at start (LD_PRELOAD, OMP_*, PYTHONHASHSEED): not seen above
             raise Refused(f"the start variable {variable} differs for this session")
@@ -334,6 +364,10 @@ class Server:
         for conn in self.children.values():
             if conn is not None and conn is not keep:
                 conn.close()
+
+
+def _decoded(environ: dict[bytes, bytes]) -> dict[str, str]:
+    return {os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()}
 
 
 def _check_shape(message: dict[str, Any]) -> None:

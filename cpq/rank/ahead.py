@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,17 @@ class Part:
     stdout: str = ""
     stderr: str = ""
     warned: list[Any] = field(default_factory=list)
+    #: Variables its imports set, which the process keeps, set again where a fresh
+    #: import would set them (:func:`keep_at_hand_over`).
+    kept: Kept = field(default_factory=lambda: Kept())
+
+
+@dataclass
+class Kept:
+    """What imports did that a process keeps and that whoever watches them (the warm
+    caller's blame, :mod:`cpq.caller.blame`) replays: the variables they set."""
+
+    environ: dict[str, str] = field(default_factory=dict)
 
 
 _plan: Plan | None = None
@@ -190,11 +201,12 @@ class _Saved:
             cuda=_cuda_initialized(),
         )
 
-    def changed(self, plan: Plan) -> str:
-        """What the imports did that cannot be put back ("" when nothing)."""
+    def changed(self, plan: Plan, kept: Kept) -> str:
+        """What the imports did that cannot be put back ("" when nothing); ``kept``: what
+        they did that whoever goes on from here replays."""
         if sys.path != plan.path:
             return "changed sys.path"
-        if dict(os.environ) != plan.environ:
+        if dict(os.environ) != {**plan.environ, **kept.environ}:
             return "changed os.environ"
         if _sys_hooks() != self.hooks or threading.excepthook is not self.thread_hook:
             return "replaced a sys hook"
@@ -221,6 +233,7 @@ class _Saved:
 def warm(
     task_waits: Callable[[], bool] = lambda: False,
     after_import: Callable[[str], bool] | None = None,
+    kept: Kept | None = None,
 ) -> dict[str, str | None]:
     """Make the planned imports and keep them aside (see the module docstring). Run by the
     main thread while the rank waits for work; never raises. A task that arrives meanwhile
@@ -233,8 +246,10 @@ def warm(
     that did such a thing) — or, given ``after_import(module)``, called after each
     module's import, by that function, which may end the warm-up there (by returning
     True); the end's check stands either way. The warm caller learns so which module did
-    what a fork cannot take."""
+    what a fork cannot take; what it found the imports doing that the process keeps
+    (``kept``, filled meanwhile) is the fork's to replay, and the end's check allows it."""
     global _plan, last_refusal
+    kept = Kept() if kept is None else kept
     plan, _plan = _plan, None
     last_refusal = ""
     drop("not imported by the session that just ended")  # the runtime did, unless a test
@@ -255,10 +270,10 @@ def warm(
             if task_waits():
                 break
             _step(family, parts, after_import)
-            why = "" if after_import is not None else saved.changed(plan)
+            why = "" if after_import is not None else saved.changed(plan, kept)
             if why:
                 break
-        why = why or saved.changed(plan)
+        why = why or saved.changed(plan, kept)
     except _Refused as refusal:
         why = str(refusal)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plan, never the rank
@@ -287,6 +302,22 @@ def warm(
         ", ".join(sorted(_parts))[:300],
     )
     return reads
+
+
+def keep_at_hand_over(top: str, kept: Kept) -> bool:
+    """Do ``kept`` when the part holding ``top`` is handed over (False: no part holds it)."""
+    part = _parts.get(top)
+    if part is None:
+        return False
+    part.kept.environ.update(kept.environ)
+    return True
+
+
+def forget_reads(names: Container[str]) -> None:
+    """``names`` bind none of the held imports: variables the imports set themselves,
+    checked and replayed by whoever hands them over (the warm caller's fork)."""
+    for part in _parts.values():
+        part.reads = {name: value for name, value in part.reads.items() if name not in names}
 
 
 def _families(modules: list[str]) -> list[list[str]]:
@@ -498,6 +529,7 @@ def _hand_over(part: Part) -> None:
     if part.front or part.back:
         _replay_filters(part.front, part.back)
     carryover.put_switches(part.switches)
+    os.environ.update(part.kept.environ)
     importenv.adopt(part.reads)
     _fate["taken over"] = int(_fate.get("taken over", 0)) + len(part.detached.modules)
 

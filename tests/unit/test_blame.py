@@ -17,17 +17,22 @@ import pytest
 from cpq.caller import blame
 
 FILES = {
-    # setuptools' shape: its own code extends the import path.
-    "bl_pathy.py": "import sys\nsys.path.append('/nonexistent/bl_vendor')\n",
+    # its own code puts a folder in front of the import path.
+    "bl_pathy.py": "import sys\nsys.path.insert(0, '/nonexistent/bl_vendor')\n",
     "bl_alpha.py": "import bl_pathy\n",
     # needs bl_pathy after bl_alpha loaded it: no change shows, the import statement does.
     "bl_beta.py": "from bl_pathy import sys as _sys\n",
     "bl_clean.py": "import json\n",
-    # a package whose submodule, loaded while the package runs, sets a variable through a
-    # function of a module loaded already: the submodule's body is what ran.
+    # a package whose submodule, loaded while the package runs, removes a variable through
+    # a function of a module loaded already: the submodule's body is what ran.
     "bl_pkg/__init__.py": "from bl_pkg import setter\n",
-    "bl_pkg/setter.py": "import bl_helpers\nbl_helpers.set_it()\n",
-    "bl_helpers.py": "import os\ndef set_it():\n    os.environ['BL_SET'] = '1'\n",
+    "bl_pkg/setter.py": "import bl_helpers\nbl_helpers.unset_it()\n",
+    "bl_helpers.py": "import os\ndef unset_it():\n    del os.environ['BL_GONE']\n",
+    # torch.compile's shape: a default set where the variable is unset, by every caller.
+    "bl_default.py": (
+        "import os\nif 'BL_CACHE' not in os.environ:\n    os.environ['BL_CACHE'] = '/tmp/bl'\n"
+    ),
+    "bl_defaults_too.py": "import bl_default, os\nos.environ.setdefault('BL_CACHE', 'other')\n",
     "bl_user.py": "from bl_pkg import setter\n",
     # torch's shape: a function that imports a module when called (torch.compile and
     # torch._dynamo), called from another module's body.
@@ -54,20 +59,23 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("BL_SET", raising=False)
+    monkeypatch.setenv("BL_GONE", "1")
+    monkeypatch.delenv("BL_CACHE", raising=False)
     yield tmp_path
     for name in [m for m in sys.modules if m.startswith("bl_")]:
         del sys.modules[name]
 
 
 def _pass(entries: list[str], left_out: tuple[str, ...] = ()) -> blame.Blame:
-    """What the warm caller does: import each entry, look, put back, go on."""
+    """What the warm caller does: import each entry, look, put back (but the variables the
+    imports set: later imports see them, as in a fresh process), go on."""
     record = blame.Blame(left_out)
     start = blame.snapshot()
     with record.watching():
         for name in entries:
             importlib.import_module(name)
             record.look(fallback=name)
+            start["os.environ"].update(record.environ_set)
             blame.put_back(start)
             record.again()
     return record
@@ -93,7 +101,16 @@ def test_a_change_made_through_another_modules_function_is_the_running_modules(
     # the package ran it, bl_user imports it (loaded already): both need it
     assert needing["bl_pkg"] == needing["bl_user"] == "bl_pkg.setter"
     assert "bl_helpers" not in needing  # its function did it, its body did not
-    assert "BL_SET" not in os.environ
+    assert os.environ["BL_GONE"] == "1"  # put back
+
+
+def test_a_variable_an_import_sets_is_noted_not_blamed(project: Path) -> None:
+    """A variable set (not removed) is the process's own, as in a fresh process: noted to be
+    replayed in the fork, and no module is left out for it."""
+    record = _pass(["bl_default", "bl_defaults_too", "bl_clean"])
+    assert record.blamed == {}
+    assert record.environ_set == {b"BL_CACHE": b"/tmp/bl"}  # the second found it set
+    assert list(record.replays) == ["bl_default"]
 
 
 def test_an_import_a_called_function_makes_is_the_running_modules_need(project: Path) -> None:
@@ -183,7 +200,7 @@ def test_a_change_outside_any_module_body_is_the_entrys() -> None:
     record = blame.Blame()
     start = blame.snapshot()
     with record.watching():
-        sys.path.append("/nonexistent/bl_direct")
+        sys.path.insert(0, "/nonexistent/bl_direct")
         record.look(fallback="the.entry")
         blame.put_back(start)
     assert record.blamed == {"the.entry": "changed sys.path"}
