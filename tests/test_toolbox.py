@@ -191,6 +191,86 @@ def test_a_rerun_of_the_last_test_finds_its_modules_state(
     assert "cpq: 3 task(s)" in warm.stdout, warm.stdout[-4000:]  # the rerun ran on the ranks
 
 
+KEPT_FOR_THE_RERUN = """
+import pytest
+
+SETUPS = []
+
+
+@pytest.fixture(scope="module")
+def counter():
+    SETUPS.append("setup")
+    state = {"attempts": 0}
+    yield state
+    SETUPS.append("teardown")
+
+
+def test_first(counter):
+    assert counter["attempts"] == 0
+
+
+MADE = []
+
+
+@pytest.fixture(scope="class")
+def resource():
+    MADE.append("resource")
+    return len(MADE)
+
+
+class TestLastOfTheModule:
+    def test_reruns_with_its_fixtures_and_a_fresh_instance(self, counter, resource):
+        assert not hasattr(self, "touched")  # each attempt gets an instance of its own
+        self.touched = True
+        counter["attempts"] += 1
+        assert (counter["attempts"], SETUPS, resource) == (2, ["setup"], 1)
+"""
+
+SETS_UP_TWICE = """
+import pytest
+
+CALLS = []
+
+
+@pytest.fixture(scope="module")
+def fails_once():
+    CALLS.append("setup")
+    if len(CALLS) == 1:
+        raise RuntimeError("the first setup fails")
+    return len(CALLS)
+
+
+def test_its_fixture_runs_again(fails_once):
+    assert fails_once == 2
+"""
+
+
+def test_a_failed_attempt_that_is_rerun_keeps_its_module_and_class_fixtures(
+    pytester: pytest.Pytester, shared: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest-rerunfailures keeps a module's and a class's fixtures standing for the rerun
+    of the module's last test (only the test's own are torn down), sets a failed fixture
+    up again and gives the rerun a fresh instance of its class. Under cpq the ranks tore
+    the module down before the rerun, which then failed: a newcomer's trial found it."""
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.delenv("CPQ_WORLD_SIZE", raising=False)
+    pytester.makepyfile(
+        test_kept=KEPT_FOR_THE_RERUN, test_again=SETS_UP_TWICE, verdicts=VERDICTS_PLUGIN
+    )
+    common = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    common += ["-p", "no:flaky", "--reruns", "1"]
+    reference, fresh = fresh_verdicts(common, "fresh", pytester.path)
+    assert set(reference.values()) == {"passed"}, fresh.stdout[-3000:]
+    warm = run_with_verdicts(
+        [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *common],
+        pytester.path / "cpq",
+        pytester.path,
+    )
+    got = json.loads((pytester.path / "cpq-client.json").read_text())
+    assert got == reference, warm.stdout[-4000:]
+    assert "2 rerun" in warm.stdout, warm.stdout[-4000:]
+
+
 NEXT = """
 import os
 import time

@@ -424,3 +424,26 @@ def test_a_variable_an_import_sets_is_set_in_the_handed_over_session_too(
         other.stdout.replace("other.xml", "own.xml"),
         own_other.stdout.replace("own_other.xml", "own.xml"),
     )
+
+
+def test_a_cd_elsewhere_and_back_keeps_the_warm_caller(project: Path) -> None:
+    """tqdm's shape (torch imports it): a module walks the whole environment at import. A
+    session typed after a ``cd`` elsewhere and back (another ``OLDPWD``), or from a script
+    (another ``SHLVL``), is handed over all the same; a variable of the project's is not."""
+    (project / "walks.py").write_text(
+        "import os\nFOUND = {k: v for k, v in os.environ.items() if k.startswith('WALK_')}\n"
+    )
+    conftest = project / "conftest.py"
+    conftest.write_text("import walks\n" + conftest.read_text())
+    _session(project, "1", "first", OLDPWD="/here", SHLVL="1", WALK_MODE="a")
+    _wait_until_served_by_a_warm_caller(project)
+    elsewhere = _session(project, "1", "elsewhere", OLDPWD="/elsewhere", SHLVL="2", WALK_MODE="a")
+    assert _served(project) == 1, _log(project)
+    own = _session(project, "0", "own", OLDPWD="/elsewhere", SHLVL="2", WALK_MODE="a")
+    assert (elsewhere.returncode, _verdicts(project, "elsewhere")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )
+    _session(project, "1", "walked", OLDPWD="/elsewhere", WALK_MODE="b")
+    assert _served(project) == 1, _log(project)
+    assert "its imports read WALK_MODE, which differs" in _log(project)

@@ -68,9 +68,36 @@ def _importing() -> bool:
 #: (``PYTEST_CURRENT_TEST``) or are cpq's and pytest's own wiring. A module that copies the
 #: whole environment at import must not cost a fresh group per test for them.
 HARNESS_PREFIXES = ("PYTEST_", "CPQ_", "COV_CORE_")
+#: What the shell and the terminal keep about where and how a command was typed: they change
+#: with a ``cd`` (``OLDPWD``, ``PWD``), a script around the command (``SHLVL``, ``_``), a new
+#: terminal or connection. A module that walks the whole environment at import (tqdm,
+#: imported by torch, looks for its ``TQDM_`` variables so) reads them all; those reads bind
+#: nothing: a ``cd`` elsewhere and back must not refuse a warm caller or a warm group. Read by
+#: name, they bind as any variable does.
+SHELL_NOISE = frozenset(
+    {
+        "OLDPWD",
+        "PWD",
+        "SHLVL",
+        "_",
+        "SSH_CLIENT",
+        "SSH_CONNECTION",
+        "SSH_TTY",
+        "TERM_SESSION_ID",
+        "ITERM_SESSION_ID",
+        "WINDOWID",
+        "TMUX_PANE",
+        "STY",
+        "XDG_SESSION_ID",
+    }
+)
+#: Walks of the environment in progress (``os.environ.items()``, ``dict(os.environ)``).
+_walks = [0]
 
 
 def _record(name: str, value: str | None) -> None:
+    if _walks[0] and name in SHELL_NOISE:
+        return
     if _diverted:
         if not name.startswith(HARNESS_PREFIXES):
             _diverted[-1].setdefault(name, value)
@@ -97,6 +124,13 @@ class _TrackedEnviron(os._Environ):  # type: ignore[type-arg]
         if _importing():
             _record(_name(key), value if isinstance(value, str) else os.fsdecode(value))
         return value
+
+    def __iter__(self) -> Any:
+        _walks[0] += 1  # what is read until the walk ends is read by walking (SHELL_NOISE)
+        try:
+            yield from super().__iter__()
+        finally:
+            _walks[0] -= 1
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if _importing() and not _diverted:  # diverted: the warm-up refuses such imports

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpq.protocol import PYTEST_ITEM_TARGET
-from cpq.rank import generators, reset, travel
+from cpq.rank import generators, reset, session_plugins, travel
 
 TARGET = PYTEST_ITEM_TARGET
 
@@ -106,46 +106,6 @@ class ItemRun:
 phase = ""
 
 
-class _Recorder:
-    """A plugin in the rank's session: what the item's protocol reported, and which phase
-    runs now."""
-
-    def __init__(self) -> None:
-        self.reports: list[Any] = []
-        self.warnings: list[dict[str, Any]] = []
-        self.failure: BaseException | None = None
-        self.collect_failures: list[Any] = []
-
-    def clear(self) -> None:
-        self.reports, self.warnings, self.failure = [], [], None
-
-    def pytest_runtest_logreport(self, report: Any) -> None:
-        self.reports.append(report)
-
-    def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
-            self.collect_failures.append(report)
-
-    def pytest_exception_interact(self, node: Any, call: Any, report: Any) -> None:
-        if self.failure is None and call.excinfo is not None and report.failed:
-            self.failure = call.excinfo.value
-
-    def pytest_warning_recorded(
-        self, warning_message: Any, when: str, nodeid: str, location: Any
-    ) -> None:
-        category = warning_message.category
-        self.warnings.append(
-            {
-                "message": str(warning_message.message),
-                "category": f"{category.__module__}:{category.__qualname__}",
-                "filename": str(warning_message.filename),
-                "lineno": int(warning_message.lineno or 0),
-                "when": when,
-                "nodeid": nodeid,
-            }
-        )
-
-
 def _phase_plugin() -> Any:
     """A plugin that keeps :data:`phase` (pytest imported only when a session starts)."""
     import pytest
@@ -172,23 +132,6 @@ def _phase_plugin() -> Any:
             return (yield from within("teardown"))
 
     return Phases()
-
-
-class _QuietReporter:
-    """Stands for pytest's terminal reporter in a rank: its writer and its writing methods,
-    which write nowhere; no hooks."""
-
-    def __init__(self, config: Any, writer: Any) -> None:
-        self.config = config
-        self._tw = writer
-        self.stats: dict[str, list[Any]] = {}
-        self.verbosity = 0
-        self.isatty = False
-
-    def _nothing(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    write = write_line = line = section = write_sep = rewrite = ensure_newline = _nothing
 
 
 class _Next:
@@ -256,9 +199,13 @@ class RankSession:
         # its ini's testpaths): initial conftests and the tree collected are the caller's.
         args += [str(arg) for arg in setup.get("args") or ()]
         self.config = Config.fromdictargs(options, args)
-        self.recorder = _Recorder()
+        self.recorder = session_plugins.Recorder()
         self.config.pluginmanager.register(self.recorder, "cpq-rank-recorder")
         self.config.pluginmanager.register(_phase_plugin(), "cpq-rank-phases")
+        from cpq.rank import rerun_keep
+
+        self.keep = rerun_keep.plugin()
+        self.config.pluginmanager.register(self.keep, "cpq-rank-rerun-keep")
         from cpq.rank import timeouts  # imports pytest: only where a test runs
 
         self.timer = timeouts.InRank()
@@ -298,7 +245,7 @@ class RankSession:
         writer = TerminalWriter(self._devnull)
         writer.hasmarkup = False
         manager.unregister(reporter)
-        manager.register(_QuietReporter(self.config, writer), "terminalreporter")
+        manager.register(session_plugins.QuietReporter(self.config, writer), "terminalreporter")
 
     def item(self, nodeid: str, path: str) -> Any:
         """The item ``nodeid`` (of the file ``path``), collecting the caller's arguments on
@@ -337,9 +284,14 @@ class RankSession:
         # The caller reported its own collection's warnings; the first test's are its own.
         self.recorder.clear()
 
-    def run(self, item: Any, next_nodeid: str | None, untimed: bool = False) -> None:
+    def run(
+        self, item: Any, next_nodeid: str | None, untimed: bool = False, rerun: bool = False
+    ) -> None:
         """Run ``item``'s protocol, torn down towards ``next_nodeid`` (the caller's next);
-        ``untimed``: pytest-timeout arms no timer for it (:class:`~cpq.rank.timeouts.InRank`)."""
+        ``untimed``: pytest-timeout arms no timer for it (:class:`~cpq.rank.timeouts.InRank`);
+        ``rerun``: a rerun may follow, which a failed attempt leaves its module's fixtures
+        standing for (:mod:`cpq.rank.rerun_keep`)."""
+        self.keep.rerun_may_follow, self.keep.failed = rerun, False
         state = self.session._setupstate
         if state.stack:
             # Left standing by a test whose next one ran elsewhere (on another group, or in
@@ -471,7 +423,7 @@ def run_item(
         current.generators = None
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
-    current.run(item, next, untimed)
+    current.run(item, next, untimed, rerun)
     ran = _item_run(current, rank)
     # The caller's last test: its session ends here now (unless a rerun of it may come).
     if next is None and not _rerun_may_come(rerun, ran):
@@ -490,9 +442,9 @@ def run_item(
 def _rerun_may_come(rerun: bool, ran: ItemRun) -> bool:
     """Whether the session must stay open after its last test for a rerun of it.
 
-    A fresh run's rerun plugin reruns a test in the same process, after tearing down
-    towards no next test: fixtures are set up again, but the modules (their state) are the
-    first attempt's. So when the caller's rerun plugin may rerun its last test, the
+    A fresh run's rerun plugin reruns a test in the same process: the modules (their state)
+    and the fixtures it kept standing (:mod:`cpq.rank.rerun_keep`) are the first attempt's.
+    So when the caller's rerun plugin may rerun its last test, the
     session stays open here — the teardown done, its modules kept — when this rank failed
     it, or when other ranks might have (the caller reruns on every rank when any failed).
     It ends with the rerun's attempt, or when another caller or a launch comes

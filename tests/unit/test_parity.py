@@ -85,6 +85,26 @@ def test_the_harness_variables_bind_nothing(tracked: Path, monkeypatch: pytest.M
     assert importenv.differs() == ("", False)
 
 
+def test_the_shells_bookkeeping_read_by_a_walk_binds_nothing(
+    tracked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tqdm (imported by torch) walks the whole environment at import for its ``TQDM_``
+    variables: a ``cd`` (``OLDPWD``) or a script around the command (``SHLVL``) must not
+    make the imports stale. Read by name, such a variable binds as any other."""
+    monkeypatch.setenv("OLDPWD", "/here")
+    monkeypatch.setenv("SHLVL", "1")
+    monkeypatch.setenv("TPL_T_WALKED", "1")
+    importenv.start_done()
+    _import(tracked, "tpl_t_walk", "import os\nFOUND = {k: v for k, v in os.environ.items()}\n")
+    assert "TPL_T_WALKED" in importenv.bound
+    assert "OLDPWD" not in importenv.bound and "SHLVL" not in importenv.bound
+    monkeypatch.setenv("OLDPWD", "/elsewhere")
+    monkeypatch.setenv("SHLVL", "2")
+    assert importenv.differs() == ("", False)
+    _import(tracked, "tpl_t_named", "import os\nBEFORE = os.environ.get('OLDPWD')\n")
+    assert importenv.bound["OLDPWD"] == "/elsewhere"
+
+
 def test_start_up_bindings_are_marked_and_a_library_s_own_variable_binds_nothing(
     tracked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
