@@ -336,3 +336,73 @@ def test_the_calling_process_renders_no_failure_of_the_ranks(
         assert "E       assert (41 + 1) == 43" in run.stdout, run.stdout[-3000:]
         counts[name] = int(out.read_text())
     assert counts == {"plain": 1, "cpq": 0}
+
+
+FIXTURES_THAT_BREAK = """
+import pytest
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("the fixture broke")
+
+
+@pytest.fixture
+def breaks_at_teardown():
+    yield
+    raise RuntimeError("the teardown broke")
+"""
+
+FIXTURE_ERRORS = """
+def test_setup_error(broken):
+    pass
+
+
+def test_teardown_error(breaks_at_teardown):
+    pass
+
+
+def test_fails():
+    assert 1 + 1 == 3
+"""
+
+
+def _errors_and_failures(out: str) -> list[str]:
+    """The ERRORS and FAILURES sections as a user reads them, without cpq's own section
+    (which rank failed) and the run's timing."""
+    start = out.index("= ERRORS =")
+    end = out.index("short test summary info")
+    lines, in_cpq = [], False
+    for line in out[start:end].splitlines():
+        if line.startswith("-") and " cpq " in line:
+            in_cpq = True
+            continue
+        if in_cpq and (line.startswith("_") or line.startswith("=")):
+            in_cpq = False
+        if not in_cpq and not line.startswith("- cpq:"):
+            lines.append(line)
+    return lines
+
+
+def test_a_fixture_error_is_reported_as_a_fresh_run_reports_it(
+    pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fixture's error at setup or teardown, and a failure, read as in a fresh run: no
+    frame of cpq's hook wrappers in the ranks' tracebacks (a newcomer's trial found two)."""
+    project_session(monkeypatch, broker, pytester.path)
+    pytester.makeconftest(FIXTURES_THAT_BREAK)  # a conftest's: pytest keeps more frames
+    pytester.makepyfile(test_errors=FIXTURE_ERRORS)
+    common = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    common += ["-p", "no:flaky"]  # its protocol wrapper shows a frame of its own in a fresh run
+    fresh = subprocess.run(
+        [*common, "-p", "no:cpq"], cwd=pytester.path, capture_output=True, text=True, timeout=120
+    )
+    warm = subprocess.run(
+        [*common, "--cpq-world-size", "1"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "cpq/rank" not in warm.stdout, warm.stdout
+    assert _errors_and_failures(warm.stdout) == _errors_and_failures(fresh.stdout)

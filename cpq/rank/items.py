@@ -111,6 +111,7 @@ def _phase_plugin() -> Any:
     import pytest
 
     def within(name: str) -> Any:
+        __tracebackhide__ = True  # cpq's, not the test's: a fresh run's report has no such frame
         global phase
         phase = name
         try:
@@ -121,14 +122,17 @@ def _phase_plugin() -> Any:
     class Phases:
         @pytest.hookimpl(wrapper=True)
         def pytest_runtest_setup(self, item: Any) -> Any:
+            __tracebackhide__ = True
             return (yield from within("setup"))
 
         @pytest.hookimpl(wrapper=True)
         def pytest_runtest_call(self, item: Any) -> Any:
+            __tracebackhide__ = True
             return (yield from within("call"))
 
         @pytest.hookimpl(wrapper=True)
         def pytest_runtest_teardown(self, item: Any) -> Any:
+            __tracebackhide__ = True
             return (yield from within("teardown"))
 
     return Phases()

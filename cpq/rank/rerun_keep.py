@@ -37,6 +37,7 @@ def plugin() -> Any:
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
         def pytest_runtest_teardown(self, item: Any, nextitem: Any) -> Any:
+            __tracebackhide__ = True  # cpq's, not the test's (a fresh run shows no such frame)
             if not (self.rerun_may_follow and self.failed):
                 return (yield)
             state = item.session._setupstate
