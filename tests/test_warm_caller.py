@@ -7,6 +7,7 @@ starts, ``python -m pytest`` sessions as a shell starts them.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -447,3 +448,31 @@ def test_a_cd_elsewhere_and_back_keeps_the_warm_caller(project: Path) -> None:
     _session(project, "1", "walked", OLDPWD="/elsewhere", WALK_MODE="b")
     assert _served(project) == 1, _log(project)
     assert "its imports read WALK_MODE, which differs" in _log(project)
+
+
+def test_after_an_edit_the_next_warm_caller_holds_the_edited_module(project: Path) -> None:
+    """A handed-over session whose modules held aside were stale (a file edited since the
+    warm caller imported it) imports them itself, and plans a new warm caller at its end:
+    the sessions after it are not each left to import them again."""
+    heavy = project / "heavy" / "__init__.py"
+    imports = project.parent / "heavy-imports.txt"  # the pid of each process importing it
+    recording = f"import os\nopen({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+    heavy.write_text(recording + HEAVY)
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    heavy.write_text(recording + HEAVY.replace("VALUE = 1", "VALUE = 2"))
+    later = time.time_ns() + 2_000_000_000
+    os.utime(heavy, ns=(later, later))  # a later stamp even on a coarse clock
+    _session(project, "1", "edited")
+    ended = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    assert _served(project) == 1, _log(project)
+    deadline = time.monotonic() + 120
+    while not any(line[:23] > ended for line in _log(project).splitlines() if " serving " in line):
+        assert time.monotonic() < deadline, _log(project)
+        time.sleep(0.1)  # polling the log for a warm caller that came after the edit
+    again = _session(project, "1", "again")
+    assert _served(project) == 2, _log(project)
+    assert _verdicts(project, "again")["test_fails"] == "passed"
+    assert again.returncode == 1  # test_value fails now
+    fork = _session_process(project, -1)
+    assert str(fork) not in imports.read_text().split(), "the session imported heavy itself"

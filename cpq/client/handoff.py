@@ -163,10 +163,20 @@ def at_end(config: Any) -> None:
         unserved = _served() is None and (
             bool(_start.get("refused")) or not ("answered" in _start or "spawned" in _start)
         )
-        if unserved or old is None or not set(modules) <= set(old.modules):
+        # What the warm caller held aside was stale for this session (a file edited since):
+        # every later session would import it again; a new one imports what is there now.
+        stale = _served() is not None and bool(_ahead_stale())
+        if unserved or stale or old is None or not set(modules) <= set(old.modules):
             _plan_and_spawn(config, old)
     except Exception:  # an optimisation only: the next session starts as it would anyway
         return
+
+
+def _ahead_stale() -> str:
+    """In a warm caller's fork: why what it imported ahead was stale here ("" if it was not)."""
+    from cpq.rank import ahead  # loaded in the fork (the warm caller's); nowhere else needed
+
+    return ahead.stale()
 
 
 def _worth_it() -> bool:

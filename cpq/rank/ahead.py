@@ -433,6 +433,8 @@ class _Finder:
         why = next(filter(None, (_why_not(p) for p in _needed(part))), "")
         if why:
             drop(why)
+            if not why.endswith(_MEANWHILE):
+                _fate["stale"] = why
             return None
         spec, origin, locations = part.where[name]
         found = importlib.machinery.ModuleSpec(name, _Loader(spec), origin=origin)
@@ -482,11 +484,22 @@ def _needed(part: Part) -> list[Part]:
     return [needed[order] for order in sorted(needed)]
 
 
+#: The end of the one reason a part is not taken over that says nothing of its files.
+_MEANWHILE = "was imported by other means meanwhile"
+
+
+def stale() -> str:
+    """Why what was imported ahead of this session was not what a fresh import would load
+    now (a file changed, a variable or the path differs; "" when it was, or nothing was
+    taken): a warm caller's fork then plans a new one (:mod:`cpq.client.handoff`)."""
+    return str(_fate.get("stale", ""))
+
+
 def _why_not(part: Part) -> str:
     """Why a fresh import would not load what ``part`` holds ("" when it would)."""
     for top in part.tops:
         if top in sys.modules:
-            return f"{top} was imported by other means meanwhile"
+            return f"{top} {_MEANWHILE}"
     variable = importenv.stale_read(part.reads)
     if variable:
         return f"the imports read {variable}, which differs in this session"
