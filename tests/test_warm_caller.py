@@ -476,3 +476,31 @@ def test_after_an_edit_the_next_warm_caller_holds_the_edited_module(project: Pat
     assert again.returncode == 1  # test_value fails now
     fork = _session_process(project, -1)
     assert str(fork) not in imports.read_text().split(), "the session imported heavy itself"
+
+
+def test_cpq_stop_ends_the_warm_caller_as_it_ends_the_broker(project: Path) -> None:
+    """``cpq stop`` stops what cpq runs for this state directory: the warm caller takes no
+    more sessions and exits (once the sessions it runs are done)."""
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    state = str((project.parent / "state").resolve())
+    callers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "cpq.caller" in " ".join(p.info["cmdline"] or ())
+        and state in " ".join(p.info["cmdline"] or ())
+    ]
+    assert callers, _log(project)
+    env = _env(project, "1")
+    env.pop("CPQ_ENDPOINT")  # the state directory's own broker (none): not this suite's
+    stopped = subprocess.run(
+        [sys.executable, "-m", "cpq", "stop"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "warm caller(s) take no more sessions" in stopped.stdout, stopped.stdout
+    _, alive = psutil.wait_procs(callers, timeout=60)
+    assert not alive, _log(project)
+    assert "its socket was removed (cpq stop)" in _log(project)

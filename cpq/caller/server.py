@@ -236,6 +236,8 @@ class Server:
 
     def _why_close(self, path: Path) -> str:
         if not self._owns(path):
+            if not os.path.lexists(path):
+                return "its socket was removed (cpq stop)"
             return "a newer warm caller serves the project"
         if self.children:
             self.last_used = time.monotonic()

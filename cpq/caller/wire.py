@@ -216,6 +216,29 @@ def still_warming(key: str) -> bool:
     return bool(warming) and not warming.get("serving") and alive(int(warming["pid"]))
 
 
+def retire_all() -> int:
+    """``cpq stop``: every warm caller of this state directory stops taking sessions — its
+    socket removed, it exits once the sessions it runs are done — and one still importing
+    (serving no one yet) is ended. Returns how many there were."""
+    import psutil
+
+    found = 0
+    where = paths.state_dir() / "callers"
+    for sock in where.glob("*.sock") if where.is_dir() else ():
+        sock.unlink(missing_ok=True)
+        found += 1
+    for note in where.glob("*.warming.json") if where.is_dir() else ():
+        key = note.name.removesuffix(".warming.json")
+        if not still_warming(key):
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            process = psutil.Process(int(read_warming(key)["pid"]))
+            if "cpq.caller" in " ".join(process.cmdline()):  # that pid is still one of ours
+                process.terminate()
+                found += 1
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -228,8 +228,12 @@ def _no_broker(endpoint: str) -> bool:
 
 
 def _run_stop(args: argparse.Namespace) -> int:
+    from cpq.caller import wire
     from cpq.client.api import BrokerUnavailable, Client
 
+    callers = wire.retire_all()  # the warm callers of this state directory, with the broker
+    if callers:
+        print(f"cpq stop: {callers} warm caller(s) take no more sessions and exit")
     endpoint = args.endpoint or paths.default_endpoint()
     if _no_broker(endpoint):
         print(f"cpq stop: no cpq broker runs at {endpoint}; nothing to stop")
@@ -317,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _submit_parser(
         commands.add_parser("submit", help="run module:function on a warm group")
     ).set_defaults(run=_run_submit)
-    stop = commands.add_parser("stop", help="stop the broker")
+    stop = commands.add_parser("stop", help="stop the broker (and the warm callers)")
     stop.add_argument("--endpoint")
     stop.add_argument("--drain", action="store_true", help="finish running tasks first")
     stop.set_defaults(run=_run_stop)
