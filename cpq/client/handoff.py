@@ -64,6 +64,11 @@ def _served() -> dict[str, Any] | None:
     return wire.served
 
 
+def served() -> bool:
+    """Whether this session runs in a warm caller's fork (its summary line says so)."""
+    return wire.served is not None
+
+
 def _start_path() -> list[str]:
     served = _served()
     return list(served["path"]) if served else list(_START_PATH)

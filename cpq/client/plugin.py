@@ -573,6 +573,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     retries = f"{stats.retries} retr{'y' if stats.retries == 1 else 'ies'}"
     line = f"cpq: {stats.tasks} task(s) on {len(stats.groups)} group(s), {retries}"
     line += f"; {stats.spawn_wait_s:.1f}s waiting for groups to start (measured by the broker)"
+    if handoff.served():
+        line += "; started from the project's warm caller"
     confirmed, tests = confirm.summary(config)
     terminalreporter.write_sep("-", line + confirmed)
     for test in tests:

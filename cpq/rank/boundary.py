@@ -270,21 +270,23 @@ def references(modules: Iterable[Any], tops: Container[str]) -> set[str]:
     """The top-level names among ``tops`` whose modules ``modules`` refer to at module level
     (``import X``, ``from X import f``)."""
     found: set[str] = set()
-    for module in modules:
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for value in list(namespace.values()):
-            owner: Any = (
-                value.__name__
-                if isinstance(value, types.ModuleType)
-                else getattr(value, "__module__", None)
-            )
-            if not isinstance(owner, str):
+    with warnings.catch_warnings():  # looking warns for some (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        for module in modules:
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
                 continue
-            top = owner.partition(".")[0]
-            if top in tops:
-                found.add(top)
+            for value in list(namespace.values()):
+                owner: Any = (
+                    value.__name__
+                    if isinstance(value, types.ModuleType)
+                    else getattr(value, "__module__", None)
+                )
+                if not isinstance(owner, str):
+                    continue
+                top = owner.partition(".")[0]
+                if top in tops:
+                    found.add(top)
     return found
 
 
