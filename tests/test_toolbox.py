@@ -452,6 +452,7 @@ import pytest
 def test_fails_on_rank_1():
     rank = RANK_EXPR
     some_local = 40 + rank
+    print(f"rank {rank} was here")
     assert rank != 1
 
 
@@ -473,6 +474,10 @@ def test_pdb_opens_the_post_mortem_in_the_failing_ranks_frame(
         # The user's lines ran in the failing frame: its locals answer.
         assert re.search(r"\(Pdb[^)]*\) 41\n", seen), seen
         assert "assert rank != 1" in seen
+        # What the test printed, before its traceback, as pytest shows it there.
+        # (cpq's report of a marked test prefixes each rank's lines: "[rank 1] ...")
+        section = seen.partition("> captured stdout >")[2].partition("> traceback >")[0]
+        assert "rank 1 was here" in section, seen
     assert "entering PDB on rank 1 (relayed by cpq)" in out
     assert "(Pdb rank 1)" in out
     assert "pytest_report.py" not in out.partition("entering PDB")[2]  # not cpq's frame

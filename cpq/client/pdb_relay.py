@@ -90,6 +90,15 @@ class RelayingPdbInvoke:
         reporter = node.config.pluginmanager.getplugin("terminalreporter")
         tw = reporter._tw
         tw.line()
+        showcapture = node.config.option.showcapture
+        for name, content in (  # what the failing rank's test printed, as pytest shows it
+            ("stdout", report.capstdout),
+            ("stderr", report.capstderr),
+            ("log", report.caplog),
+        ):
+            if showcapture in (name, "all") and content:
+                tw.sep(">", "captured " + name)
+                tw.line(content[:-1] if content.endswith("\n") else content)
         tw.sep(">", "traceback")
         report.toterminal(tw)
         tw.sep(">", f"entering PDB on rank {failed.result.debug_rank} (relayed by cpq)")
