@@ -57,6 +57,7 @@ def become(
     _set_streams(message["streams"])
     _reseed()
     wire.served = message
+    wire.forked_with = frozenset(sys.modules)
     import pytest
 
     # As ``python -m pytest`` ends: the exit unwinds to the interpreter, which joins

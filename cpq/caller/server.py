@@ -425,6 +425,9 @@ def main(argv: list[str]) -> int:
         return 2
     import pytest  # noqa: F401  (the harness: every session's fork starts from it loaded)
 
+    why = plan.notes.get("why")  # what made a session plan it
+    why = f" (planned because {why})" if isinstance(why, str) and why else ""
+    log.info("importing a plan of %d modules%s", len(plan.modules), why)
     if wire.gave_up(plan.key):
         log.info("not starting: this project's imports cannot be taken by a fork")
         return 3

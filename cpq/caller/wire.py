@@ -48,6 +48,8 @@ NOT_PLANNED = frozenset(
 #: Set in a warm caller's fork (:mod:`cpq.caller.child`): the request it serves, which the
 #: plugin's half (:mod:`cpq.client.handoff`) reads.
 served: dict[str, Any] | None = None
+#: The modules a warm caller's fork started with (its warm caller's), set with ``served``.
+forked_with: frozenset[str] = frozenset()
 
 
 class WireError(Exception):
@@ -325,6 +327,8 @@ class Plan:
             isinstance(k, str) and isinstance(v, str) for k, v in plan.environ.items()
         ):
             raise WireError(f"plan {path}: environ must map text to text")
+        if not isinstance(plan.notes, dict):
+            raise WireError(f"plan {path}: notes must be a map")
         return plan
 
 

@@ -147,7 +147,9 @@ def at_session_start(config: Any) -> None:
 
         _start["start_s"] = time.time() - psutil.Process().create_time()
         if "answered" not in _start and _worth_it():
-            _plan_and_spawn(config, _read_plan(_start["key"]))
+            why = "no warm caller answered the session"
+            modules = modules_to_plan(_test_file_patterns(config))
+            _plan_and_spawn(config, _read_plan(_start["key"]), why, modules)
             _start["spawned"] = True
     except Exception:  # an optimisation only
         return
@@ -165,14 +167,36 @@ def at_end(config: Any) -> None:
             return  # the one this session started imports still: a second would slow it
         old = _read_plan(_start["key"])
         modules = modules_to_plan(_test_file_patterns(config))
+        if _served() is not None and old is not None:
+            # A fork starts with what its warm caller loaded (more than the plan: what the
+            # plan's imports import in turn): what the session imported itself is the news.
+            known = set(old.modules) | wire.forked_with
+            new = [name for name in modules if name not in known]
+            modules = [*old.modules, *new]
+        else:
+            new = [name for name in modules if old is None or name not in set(old.modules)]
         unserved = _served() is None and (
             bool(_start.get("refused")) or not ("answered" in _start or "spawned" in _start)
         )
         # What the warm caller held aside was stale for this session (a file edited since):
         # every later session would import it again; a new one imports what is there now.
-        stale = _served() is not None and bool(_ahead_stale())
-        if unserved or stale or old is None or not set(modules) <= set(old.modules):
-            _plan_and_spawn(config, old)
+        stale = _served() is not None and _ahead_stale()
+        why = (
+            ("no warm caller served the session" if unserved else "")
+            or (
+                f"what the warm caller held aside was stale for the session: {stale}"
+                if stale
+                else ""
+            )
+            or ("there was no plan" if old is None else "")
+            or (
+                f"the session imported {len(new)} modules the plan lacks: {', '.join(new[:8])}"
+                if new
+                else ""
+            )
+        )
+        if why:
+            _plan_and_spawn(config, old, why, modules)
     except Exception:  # an optimisation only: the next session starts as it would anyway
         return
 
@@ -192,18 +216,19 @@ def _worth_it() -> bool:
     return mode() == "auto" and float(_start.get("start_s", 0.0)) >= wire.AUTO_MIN_START_S
 
 
-def _plan_and_spawn(config: Any, old: wire.Plan | None) -> None:
+def _plan_and_spawn(config: Any, old: wire.Plan | None, why: str, modules: list[str]) -> None:
     if wire.gave_up(_start["key"]):
         return  # its imports a fork cannot take: no warm caller for this project
     start_s = float(_start.get("start_s", 0.0))
     plan = wire.Plan(
         key=_start["key"],
-        modules=modules_to_plan(_test_file_patterns(config)),
+        modules=modules,
         path=_start_path(),
         cwd=str(config.invocation_params.dir),
         environ=_start_env(),
         interpreter=_start["interpreter"],
         start_s=old.start_s if _served() is not None and old is not None else start_s,
+        notes={"why": why[:500]},
     )
     _spawn(plan.write(), plan)
 

@@ -62,8 +62,13 @@ from typing import Any
 
 log = logging.getLogger("cpq.rank")
 
-#: Families that stay loaded whatever was imported when: cpq itself and the pytest harness.
-HARNESS = frozenset({"cpq", "pytest", "_pytest", "pluggy", "iniconfig", "py", "__main__"})
+#: Families that stay loaded whatever was imported when: cpq itself, the pytest harness, and
+#: the process's main module, also under multiprocessing's name for it (``import torch``
+#: registers ``__mp_main__``: held aside by a warm caller, it "resolved elsewhere" in every
+#: session, which then dropped all that was imported ahead).
+HARNESS = frozenset(
+    {"cpq", "pytest", "_pytest", "pluggy", "iniconfig", "py", "__main__", "__mp_main__"}
+)
 _EXTENSIONS = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 _REGISTERED_AT = re.compile(r"registered at (.+?):\d+")
 _HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
