@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpq.protocol import PYTEST_ITEM_TARGET
-from cpq.rank import generators, reset, session_plugins, travel
+from cpq.rank import generators, pgroups, reset, session_plugins, travel
 
 TARGET = PYTEST_ITEM_TARGET
 
@@ -220,8 +220,6 @@ class RankSession:
             plugin = self.config.pluginmanager.get_plugin(name)
             if plugin is not None:
                 self.config.pluginmanager.unregister(plugin)
-        from cpq.rank import pgroups
-
         self.groups_before = {id(pg) for pg in pgroups.made_groups()}
         self.session = Session.from_config(self.config)
         self.config.hook.pytest_sessionstart(session=self.session)
@@ -324,8 +322,6 @@ class RankSession:
             self.config.hook.pytest_sessionfinish(session=self.session, exitstatus=0)
         finally:
             self.config._ensure_unconfigure()
-            from cpq.rank import pgroups
-
             pgroups.caller_done(self.groups_before)  # what its fixtures made and left
             devnull = getattr(self, "_devnull", None)
             if devnull is not None:
@@ -378,6 +374,8 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
         close_current()
     if _current is None:
         _forget_test_modules()  # as a fresh process would import them
+        # A fresh torchrun worker's default group is not initialised until the code does it.
+        pgroups.hide()
         # A new calling session starts from a fresh process's state: no cached CUDA blocks
         # of the last one, Transformer Engine's process-wide state reset.
         reset.release_cuda_cache()
@@ -395,11 +393,13 @@ def run_item(
     next: str | None = None,
     rerun: bool = False,
     untimed: bool = False,
+    marked: bool = False,
 ) -> ItemRun:
     """Run test ``nodeid`` (of the file ``path``) through this rank's pytest session of the
     calling ``session``; ``next`` is the caller's next test id (None: its last test);
     ``rerun``: the caller's rerun plugin may run this test again after this attempt;
-    ``untimed``: an earlier attempt's failure spent pytest-timeout's timer (``InRank``).
+    ``untimed``: an earlier attempt's failure spent pytest-timeout's timer (``InRank``);
+    ``marked``: a ``@pytest.mark.cpq`` test, whose default group is initialised.
 
     An empty ``nodeid`` opens the session and collects, running no test: the calling
     process sends it while it collects itself (:mod:`cpq.client.opening`), so its first test
@@ -425,6 +425,8 @@ def run_item(
     elif current.generators is not None:
         generators.restore(current.generators)
         current.generators = None
+    if marked:
+        pgroups.show()
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
     current.run(item, next, untimed, rerun)
