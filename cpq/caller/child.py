@@ -58,6 +58,7 @@ def become(
     _reseed()
     wire.served = message
     wire.forked_with = frozenset(sys.modules)
+    wire.stale_ahead = ahead.stale
     import pytest
 
     # As ``python -m pytest`` ends: the exit unwinds to the interpreter, which joins

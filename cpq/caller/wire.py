@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,15 @@ NOT_PLANNED = frozenset(
 served: dict[str, Any] | None = None
 #: The modules a warm caller's fork started with (its warm caller's), set with ``served``.
 forked_with: frozenset[str] = frozenset()
+
+
+def _nothing_stale() -> str:
+    return ""
+
+
+#: In a fork: why what its warm caller held aside was stale for the session ("" when it was
+#: not; :func:`cpq.rank.ahead.stale`, set by :mod:`cpq.caller.child`).
+stale_ahead: Callable[[], str] = _nothing_stale
 
 
 class WireError(Exception):

@@ -180,7 +180,7 @@ def at_end(config: Any) -> None:
         )
         # What the warm caller held aside was stale for this session (a file edited since):
         # every later session would import it again; a new one imports what is there now.
-        stale = _served() is not None and _ahead_stale()
+        stale = _served() is not None and wire.stale_ahead()
         why = (
             ("no warm caller served the session" if unserved else "")
             or (
@@ -199,13 +199,6 @@ def at_end(config: Any) -> None:
             _plan_and_spawn(config, old, why, modules)
     except Exception:  # an optimisation only: the next session starts as it would anyway
         return
-
-
-def _ahead_stale() -> str:
-    """In a warm caller's fork: why what it imported ahead was stale here ("" if it was not)."""
-    from cpq.rank import ahead  # loaded in the fork (the warm caller's); nowhere else needed
-
-    return ahead.stale()
 
 
 def _worth_it() -> bool:
