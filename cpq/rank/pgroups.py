@@ -134,22 +134,6 @@ def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[index] if len(args) > index else None
 
 
-def hide() -> None:
-    """A calling pytest session begins here: as in a fresh ``torchrun`` worker,
-    ``is_initialized()`` is False until the code initialises the default group (its
-    ``init_process_group`` then joins the warm one). Megatron-LM's ``Utils`` sets its device
-    up when it is not initialised: on a CPU host that fails in a fresh run, and failed
-    nowhere under cpq."""
-    global _hidden
-    _hidden = True
-
-
-def show() -> None:
-    """A ``@pytest.mark.cpq`` test: its default group is initialised (the marker's promise)."""
-    global _hidden
-    _hidden = False
-
-
 def caller_done(before: set[int]) -> None:
     """A calling session or a launch ended here: the groups it made since ``before`` (ids of
     :func:`made_groups` then) are destroyed, the warm group is bound to no device and seen
