@@ -134,6 +134,19 @@ def test_reruns_give_a_fresh_runs_attempts(
     assert "deadline of 90s" not in out and out.count("deadline of 3s passed") >= 1, out
 
 
+def _cpq_verdicts(
+    pytester: pytest.Pytester, common: list[str]
+) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """``pytest --cpq-world-size 2 COMMON`` in the project (``-p verdicts`` among them): the
+    calling process's verdicts, and the run."""
+    warm = run_with_verdicts(
+        [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *common],
+        pytester.path / "cpq",
+        pytester.path,
+    )
+    return json.loads((pytester.path / "cpq-client.json").read_text()), warm
+
+
 ONCE_PER_PROCESS = """
 import os
 import pytest
@@ -181,12 +194,7 @@ def test_a_rerun_of_the_last_test_finds_its_modules_state(
         "test_once.py::test_first": "passed",
         "test_once.py::test_last_fails_once_per_process": "passed",
     }, fresh.stdout[-3000:]
-    warm = run_with_verdicts(
-        [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *common],
-        pytester.path / "cpq",
-        pytester.path,
-    )
-    got = json.loads((pytester.path / "cpq-client.json").read_text())
+    got, warm = _cpq_verdicts(pytester, common)
     assert got == reference, warm.stdout[-4000:]
     assert "cpq: 3 task(s)" in warm.stdout, warm.stdout[-4000:]  # the rerun ran on the ranks
 
@@ -261,12 +269,7 @@ def test_a_failed_attempt_that_is_rerun_keeps_its_module_and_class_fixtures(
     common += ["-p", "no:flaky", "--reruns", "1"]
     reference, fresh = fresh_verdicts(common, "fresh", pytester.path)
     assert set(reference.values()) == {"passed"}, fresh.stdout[-3000:]
-    warm = run_with_verdicts(
-        [sys.executable, "-m", "pytest", "--cpq-world-size", "2", *common],
-        pytester.path / "cpq",
-        pytester.path,
-    )
-    got = json.loads((pytester.path / "cpq-client.json").read_text())
+    got, warm = _cpq_verdicts(pytester, common)
     assert got == reference, warm.stdout[-4000:]
     assert "2 rerun" in warm.stdout, warm.stdout[-4000:]
 
