@@ -166,8 +166,19 @@ def _same_output(one: str, other: str) -> None:
         text = re.sub(r"\d+\.\d+s", "Xs", text).replace("handed.xml", "own.xml")
         text = text.replace("; started from the project's warm caller", "")
         text = re.sub(r"g\d+-\w+", "GROUP", text)
-        # the broker's line says what its groups are doing at that moment
-        return [line for line in text.splitlines() if not line.startswith("cpq: broker ")]
+        # The broker's line says what its groups are doing at that moment; the first of
+        # two sessions that need a new group says that it waits for it, a few seconds in,
+        # where its progress line has begun ("test_things.py " and the notice).
+        lines = [
+            line
+            for line in text.splitlines()
+            if not line.startswith(("cpq: broker ", "cpq: waiting for a "))
+        ]
+        return [
+            line
+            for line, after in zip(lines, [*lines[1:], ""], strict=True)
+            if not (line.endswith(".py ") and after.startswith(line))
+        ]
 
     assert normal(one) == normal(other)
 
@@ -440,6 +451,63 @@ def test_a_variable_an_import_sets_is_set_in_the_handed_over_session_too(
         other.stdout.replace("other.xml", "own.xml"),
         own_other.stdout.replace("own_other.xml", "own.xml"),
     )
+
+
+def test_an_entry_an_import_appends_to_the_path_is_appended_in_the_handed_over_session_too(
+    project: Path,
+) -> None:
+    """setuptools' shape: its import appends its ``_vendor`` folder to ``sys.path`` and
+    imports from it. The warm caller keeps the module (it is not left out) and appends the
+    entry in each session it hands over when the session imports the module, as the
+    import would have."""
+    (project / "vendor").mkdir()
+    (project / "vendor" / "vendored_dep.py").write_text("NAME = 'vendored'\n")
+    (project / "appends.py").write_text(
+        "import os, sys\n"
+        "here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'vendor')\n"
+        "sys.path.extend([here] if here not in sys.path else [])\n"
+        "import vendored_dep\n"
+    )
+    conftest = project / "conftest.py"
+    conftest.write_text(
+        "import sys, appends\n\n"
+        "def pytest_report_header():\n"
+        "    tail = [p.rpartition('/')[2] for p in sys.path[-2:]]\n"
+        "    return f'{appends.vendored_dep.NAME}; the path ends {tail}'\n\n" + conftest.read_text()
+    )
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    assert "leaving out" not in _log(project)
+    assert "vendored; the path ends" in own.stdout and "'vendor']" in own.stdout
+    _same_output(handed.stdout, own.stdout)
+
+
+def test_what_the_import_of_a_module_that_stays_loaded_warned_is_warned_in_the_session(
+    project: Path,
+) -> None:
+    """Megatron-LM's shape: a module that registers a torch operator cannot leave the warm
+    caller's ``sys.modules`` (a second import would register it again), so a handed-over
+    session finds it loaded; what its import warned is warned in the session all the same,
+    where the conftest's import would have warned it."""
+    (project / "registers.py").write_text(
+        "import warnings, torch\n"
+        "warnings.warn('falling back to the slow kernels', UserWarning)\n"
+        "@torch.library.custom_op('cpqwarmcaller::twice', mutates_args=())\n"
+        "def twice(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x * 2\n"
+    )
+    conftest = project / "conftest.py"
+    conftest.write_text("import registers\n" + conftest.read_text())
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    assert "falling back to the slow kernels" in own.stdout
+    _same_output(handed.stdout, own.stdout)
 
 
 def test_a_cd_elsewhere_and_back_keeps_the_warm_caller(project: Path) -> None:

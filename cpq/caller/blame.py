@@ -116,6 +116,8 @@ class Replay:
 
     #: Variables set (undecoded name -> the value last set).
     environ: dict[bytes, bytes] = field(default_factory=dict)
+    #: Entries appended to ``sys.path``, in order.
+    path: list[str] = field(default_factory=list)
 
 
 class Blame:
@@ -133,16 +135,16 @@ class Blame:
         #: (module -> its :class:`Replay`), and all of it together, in order.
         self.replays: dict[str, Replay] = {}
         self.environ_set: dict[bytes, bytes] = {}
+        self.path_appended: list[str] = []
         self._last = snapshot()
 
     def look(self, fallback: str = "") -> None:
         """Blame what changed since the last look on the module running now (``fallback``
         when none runs: the plan's entry being imported) — but variables set (none removed)
-        are noted as the module's :class:`Replay`: ``torch.compile`` sets
-        ``TORCHINDUCTOR_CACHE_DIR`` where it is unset, and a fresh process keeps it from
-        then on. (Entries appended to ``sys.path`` are not: setuptools' ``_vendor`` let
-        modules that register torch operators load, and those keep their families in the
-        process, where what their imports warned could not be said again.)"""
+        and entries appended to ``sys.path`` (none removed or moved) are noted as the
+        module's :class:`Replay`: ``torch.compile`` sets ``TORCHINDUCTOR_CACHE_DIR`` where
+        it is unset, setuptools appends its ``_vendor`` folder, and a fresh process keeps
+        them from then on."""
         now = snapshot()
         who = self._running[-1] if self._running else fallback
         seen, replay = dict(self._last), Replay()
@@ -150,12 +152,19 @@ class Blame:
         if who and environ != was and was.keys() <= environ.keys():
             replay.environ = {k: v for k, v in environ.items() if was.get(k) != v}
             seen["os.environ"] = environ
+        was_path, path = seen["sys.path"], now["sys.path"]
+        if who and len(path) > len(was_path) and path[: len(was_path)] == was_path:
+            replay.path = path[len(was_path) :]
+            seen["sys.path"] = path
         found = changes(seen, now)
         if found and who:
             self.blamed.setdefault(who, "; ".join(found))
-        if replay.environ:
-            self.replays.setdefault(who, Replay()).environ.update(replay.environ)
+        if replay.environ or replay.path:
+            mine = self.replays.setdefault(who, Replay())
+            mine.environ.update(replay.environ)
+            mine.path += [entry for entry in replay.path if entry not in mine.path]
             self.environ_set.update(replay.environ)
+            self.path_appended += [e for e in replay.path if e not in self.path_appended]
         self._last = now
 
     def again(self) -> None:

@@ -52,6 +52,7 @@ def become(
     sys.argv[:] = message["argv"]
     sys.orig_argv = list(message.get("orig_argv") or message["argv"])
     sys.path[:] = message["path"]
+    sys.path += [entry for entry in kept.path if entry not in sys.path]
     _quiet_cpq_logging()
     _set_main(message.get("main") or {})
     _set_streams(message["streams"])
@@ -59,6 +60,7 @@ def become(
     wire.served = message
     wire.forked_with = frozenset(sys.modules)
     wire.stale_ahead = ahead.stale
+    wire.say_staying = ahead.say_staying
     import pytest
 
     # As ``python -m pytest`` ends: the exit unwinds to the interpreter, which joins

@@ -81,8 +81,8 @@ class Server:
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's own code did what a fork cannot take
         or what cannot be replayed when the session imports it (initialised CUDA, started a
-        thread, changed ``sys.path``, ``os.environ``, the ``sys`` hooks, signal handlers or
-        the root logger): that module, and every module that needs it, is then left out of
+        thread, changed ``sys.path`` or ``os.environ`` other than by adding to them, the
+        ``sys`` hooks, signal handlers or the root logger): that module, and every module that needs it, is then left out of
         this project's warm callers for good (``KEY.exclude.json``, :mod:`cpq.caller.blame`),
         and this process starts again without them. What can be put back is, after each of
         the plan's entries, and the pass goes on: one pass finds them all."""
@@ -105,9 +105,12 @@ class Server:
         def after_import(name: str) -> bool:
             nonlocal imported
             blame_.look(fallback=name)
-            if blame_.environ_set:  # later imports see them, as in a fresh process
-                start["os.environ"].update(blame_.environ_set)
-                kept.environ.update(_decoded(blame_.environ_set))
+            if blame_.environ_set or blame_.path_appended:  # later imports see them, as
+                start["os.environ"].update(blame_.environ_set)  # in a fresh process
+                kept.add(ahead.Kept(_decoded(blame_.environ_set), blame_.path_appended))
+                start["sys.path"] = self.plan.path + [
+                    entry for entry in kept.path if entry not in self.plan.path
+                ]
             blame.put_back(start)
             blame_.again()
             imported += 1
@@ -146,19 +149,20 @@ class Server:
         return True
 
     def _keep(self, blame_: blame.Blame, kept: ahead.Kept) -> None:
-        """The variables the imports set (a fresh process keeps them) are set again where
-        the module that set them is loaded: in each fork from its start (a module that
-        stays loaded), or when the session imports the part that holds it. Such a variable
-        binds none of the imports (a fresh process sets it too); the session's value
-        before the imports must be the one they found (:meth:`_check`)."""
+        """The variables the imports set and the entries they appended to ``sys.path`` (a
+        fresh process keeps them) are set again where the module that set them is loaded:
+        in each fork from its start (a module that stays loaded), or when the session
+        imports the part that holds it. Such a variable binds none of the imports (a fresh
+        process sets it too); the session's value before the imports must be the one they
+        found (:meth:`_check`)."""
         self.environ_set = dict(kept.environ)
         self.reads = {k: v for k, v in self.reads.items() if k not in kept.environ}
         ahead.forget_reads(kept.environ)
         self.at_fork = ahead.Kept()
         for module, replay in blame_.replays.items():
-            each = ahead.Kept(_decoded(replay.environ))
+            each = ahead.Kept(_decoded(replay.environ), list(replay.path))
             if not ahead.keep_at_hand_over(module.partition(".")[0], each):
-                self.at_fork.environ.update(each.environ)
+                self.at_fork.add(each)
 
     def _leave_out(self, blame_: blame.Blame) -> None:
         """What the pass blamed and what needs it, to ``KEY.exclude.json`` and the log."""

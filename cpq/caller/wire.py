@@ -61,6 +61,15 @@ def _nothing_stale() -> str:
 stale_ahead: Callable[[], str] = _nothing_stale
 
 
+def _nothing_said() -> None:
+    return None
+
+
+#: In a fork: warn again what its warm caller's imports of modules that stay loaded warned
+#: (:func:`cpq.rank.ahead.say_staying`, set by :mod:`cpq.caller.child`).
+say_staying: Callable[[], None] = _nothing_said
+
+
 class WireError(Exception):
     """A message that is not one of ours (its text says what is wrong)."""
 

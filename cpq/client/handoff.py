@@ -92,6 +92,10 @@ def at_start(config: Any) -> None:
     key = wire.key_of(str(config.rootpath), _start_path())
     _start.update(key=key, interpreter=_interpreter())
     if _served() is not None:
+        # What the warm caller's imports of modules that stay loaded in it (torch's, a
+        # family that registered torch operators) warned: a fresh process warns it when
+        # its conftests import them — now, inside pytest's capture of this phase.
+        wire.say_staying()
         return
     sock = wire.connect(wire.socket_path(key), 2.0) or _wait_for_warming(key)
     if sock is None:

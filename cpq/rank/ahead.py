@@ -105,9 +105,21 @@ class Part:
 @dataclass
 class Kept:
     """What imports did that a process keeps and that whoever watches them (the warm
-    caller's blame, :mod:`cpq.caller.blame`) replays: the variables they set."""
+    caller's blame, :mod:`cpq.caller.blame`) replays: the variables they set, the entries
+    they appended to ``sys.path``."""
 
     environ: dict[str, str] = field(default_factory=dict)
+    path: list[str] = field(default_factory=list)
+
+    def add(self, other: Kept) -> None:
+        self.environ.update(other.environ)
+        self.path += [entry for entry in other.path if entry not in self.path]
+
+    def do(self) -> None:
+        """Do it again here: a variable set, an entry appended where it is missing (as
+        setuptools appends its ``_vendor``)."""
+        os.environ.update(self.environ)
+        sys.path += [entry for entry in self.path if entry not in sys.path]
 
 
 _plan: Plan | None = None
@@ -120,6 +132,9 @@ last_refusal = ""
 #: What became of the last modules imported ahead, said at the next warm-up (a session's
 #: pytest captures the rank's log while it imports).
 _fate: dict[str, int | str] = {}
+#: What the last warm-up's imports of modules that stayed loaded warned (torch's, a family
+#: that registered torch operators): no part says it again; :func:`say_staying` does.
+_staying_warned: list[Any] = []
 
 
 def learn(crossed: boundary.Crossed, path: list[str], cwd: str, environ: dict[str, str]) -> None:
@@ -204,7 +219,7 @@ class _Saved:
     def changed(self, plan: Plan, kept: Kept) -> str:
         """What the imports did that cannot be put back ("" when nothing); ``kept``: what
         they did that whoever goes on from here replays."""
-        if sys.path != plan.path:
+        if sys.path != plan.path + [e for e in kept.path if e not in plan.path]:
             return "changed sys.path"
         if dict(os.environ) != {**plan.environ, **kept.environ}:
             return "changed os.environ"
@@ -252,6 +267,7 @@ def warm(
     kept = Kept() if kept is None else kept
     plan, _plan = _plan, None
     last_refusal = ""
+    _staying_warned.clear()
     drop("not imported by the session that just ended")  # the runtime did, unless a test
     if _fate:
         log.info("the modules imported ahead of the last session: %s", _said(_fate))
@@ -260,6 +276,7 @@ def warm(
         return {}
     started = time.perf_counter()
     saved = _Saved.take()
+    loaded = set(sys.modules)
     parts: list[Part] = []
     why = ""
     try:
@@ -288,7 +305,10 @@ def warm(
             refused[top] = why or "nothing to keep"
         log.info("not importing %s ahead of sessions: the import %s", ", ".join(sorted(tops)), why)
         return reads
+    stayed = {_file(sys.modules[n]) for n in set(sys.modules) - loaded} - {None}
+    _staying_warned[:] = [said for part in parts for said in part.warned if said.filename in stayed]
     for part in parts:
+        part.warned = [said for said in part.warned if said.filename not in stayed]
         part.tops = {top for top in part.tops & tops if top in detached.modules}
         part.detached = _share(detached, part.tops)
         part.where = {top: _where(part.detached.modules[top]) for top in part.tops}
@@ -309,7 +329,7 @@ def keep_at_hand_over(top: str, kept: Kept) -> bool:
     part = _parts.get(top)
     if part is None:
         return False
-    part.kept.environ.update(kept.environ)
+    part.kept.add(kept)
     return True
 
 
@@ -512,14 +532,25 @@ def _why_not(part: Part) -> str:
     return ""
 
 
+def say_staying() -> None:
+    """Warn again what the last warm-up's imports of modules that stay loaded warned, under
+    this session's filters: the warm caller's fork, at its session's start, where a fresh
+    process's conftests would import them (``cpq.client.handoff``)."""
+    _warn_again(_staying_warned, {n: m for n, m in sys.modules.items() if m is not None})
+
+
 def _say(part: Part) -> None:
     """Print and warn what ``part``'s imports did, under this session's filters."""
     if part.stdout:
         sys.stdout.write(part.stdout)
     if part.stderr:
         sys.stderr.write(part.stderr)
-    by_file = {getattr(m, "__file__", None): (n, m) for n, m in part.detached.modules.items()}
-    for said in part.warned:
+    _warn_again(part.warned, part.detached.modules)
+
+
+def _warn_again(warned: list[Any], modules: dict[str, Any]) -> None:
+    by_file = {getattr(m, "__file__", None): (n, m) for n, m in modules.items()}
+    for said in warned:
         name, module = by_file.get(said.filename, (None, None))
         registry = None if module is None else module.__dict__.setdefault("__warningregistry__", {})
         warnings.warn_explicit(
@@ -542,7 +573,7 @@ def _hand_over(part: Part) -> None:
     if part.front or part.back:
         _replay_filters(part.front, part.back)
     carryover.put_switches(part.switches)
-    os.environ.update(part.kept.environ)
+    part.kept.do()
     importenv.adopt(part.reads)
     _fate["taken over"] = int(_fate.get("taken over", 0)) + len(part.detached.modules)
 
@@ -583,6 +614,11 @@ def _where(module: Any) -> tuple[Any, str | None, tuple[str, ...]]:
     origin = getattr(spec, "origin", None)
     locations = tuple(getattr(spec, "submodule_search_locations", None) or ())
     return spec, origin, locations
+
+
+def _file(module: Any) -> str | None:
+    path = getattr(module, "__file__", None)
+    return path if isinstance(path, str) else None
 
 
 def _files(detached: boundary.Detached) -> list[str]:

@@ -22,6 +22,7 @@ from cpq.rank import ahead, boundary, importenv
 NAMES = (
     *("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook", "abroken"),
     "asay",
+    "aregisters",
 )
 
 
@@ -310,3 +311,49 @@ def test_an_import_time_warning_this_session_makes_an_error_fails_the_import(
         assert "asay" not in sys.modules and ahead.held() == []
         with pytest.raises(DeprecationWarning):  # imported afresh: raises again
             import asay  # noqa: F401
+
+
+def test_what_the_import_of_a_family_that_stays_warned_is_warned_again_on_request(
+    project: Path,
+) -> None:
+    """A family that registered a torch operator stays in ``sys.modules`` (a second import
+    would register it again), so no part says what its import warned: the warm caller's
+    fork says it at its session's start (``say_staying``); a family held aside keeps its
+    own warnings for its hand-over."""
+    (project / "aregisters.py").write_text(
+        "import warnings, torch\n"
+        "warnings.warn('aregisters falls back', UserWarning)\n"
+        "@torch.library.custom_op('cpqahead::twice', mutates_args=())\n"
+        "def twice(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x * 2\n"
+    )
+    import torch  # noqa: F401  (loaded before: only the module's own import is planned)
+
+    ahead.plan(["aregisters", "asay"], list(sys.path), os.getcwd(), dict(os.environ))
+    ahead.warm()
+    assert "aregisters" in sys.modules and ahead.held() == ["asay"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ahead.say_staying()
+    assert [str(w.message) for w in caught] == ["aregisters falls back"]
+    assert caught[0].filename == str(project / "aregisters.py")
+
+
+def test_what_a_parts_import_kept_is_done_again_when_it_is_handed_over(project: Path) -> None:
+    """The warm caller's blame found the import setting a variable and appending a folder
+    to the path (torch.compile's, setuptools' shapes): the session gets both when it
+    imports the part, not before, and an entry already on its path is not added twice."""
+    import aproj
+
+    _session_ends()
+    kept = ahead.Kept({"APROJ_CACHE": "/tmp/aproj"}, ["/nonexistent/aproj_vendor", sys.path[0]])
+    assert ahead.keep_at_hand_over("aproj", kept)
+    path = list(sys.path)
+    assert "APROJ_CACHE" not in os.environ and "/nonexistent/aproj_vendor" not in sys.path
+    try:
+        import aproj  # noqa: F401
+
+        assert os.environ["APROJ_CACHE"] == "/tmp/aproj"
+        assert sys.path == [*path, "/nonexistent/aproj_vendor"]
+    finally:
+        os.environ.pop("APROJ_CACHE", None)

@@ -33,6 +33,12 @@ FILES = {
         "import os\nif 'BL_CACHE' not in os.environ:\n    os.environ['BL_CACHE'] = '/tmp/bl'\n"
     ),
     "bl_defaults_too.py": "import bl_default, os\nos.environ.setdefault('BL_CACHE', 'other')\n",
+    # setuptools' shape: a folder appended where it is missing, by each importer.
+    "bl_appends.py": (
+        "import sys\nif '/nonexistent/bl_end' not in sys.path:\n"
+        "    sys.path.append('/nonexistent/bl_end')\n"
+    ),
+    "bl_appends_too.py": "import bl_appends, sys\nassert sys.path[-1] == '/nonexistent/bl_end'\n",
     "bl_user.py": "from bl_pkg import setter\n",
     # torch's shape: a function that imports a module when called (torch.compile and
     # torch._dynamo), called from another module's body.
@@ -76,6 +82,7 @@ def _pass(entries: list[str], left_out: tuple[str, ...] = ()) -> blame.Blame:
             importlib.import_module(name)
             record.look(fallback=name)
             start["os.environ"].update(record.environ_set)
+            start["sys.path"] += [e for e in record.path_appended if e not in start["sys.path"]]
             blame.put_back(start)
             record.again()
     return record
@@ -111,6 +118,16 @@ def test_a_variable_an_import_sets_is_noted_not_blamed(project: Path) -> None:
     assert record.blamed == {}
     assert record.environ_set == {b"BL_CACHE": b"/tmp/bl"}  # the second found it set
     assert list(record.replays) == ["bl_default"]
+
+
+def test_an_entry_an_import_appends_to_the_path_is_noted_not_blamed(project: Path) -> None:
+    """An entry appended to ``sys.path`` (none removed or moved) is the process's own from
+    then on, as in a fresh process: noted to be replayed, and no module is left out."""
+    record = _pass(["bl_appends", "bl_appends_too", "bl_clean"])
+    assert record.blamed == {}
+    assert record.path_appended == ["/nonexistent/bl_end"]
+    assert list(record.replays) == ["bl_appends"]
+    assert record.replays["bl_appends"].path == ["/nonexistent/bl_end"]
 
 
 def test_an_import_a_called_function_makes_is_the_running_modules_need(project: Path) -> None:
