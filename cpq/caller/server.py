@@ -82,10 +82,11 @@ class Server:
         """Import the plan ahead. False when a module's own code did what a fork cannot take
         or what cannot be replayed when the session imports it (initialised CUDA, started a
         thread, changed ``sys.path`` or ``os.environ`` other than by adding to them, the
-        ``sys`` hooks, signal handlers or the root logger): that module, and every module that needs it, is then left out of
-        this project's warm callers for good (``KEY.exclude.json``, :mod:`cpq.caller.blame`),
-        and this process starts again without them. What can be put back is, after each of
-        the plan's entries, and the pass goes on: one pass finds them all."""
+        ``sys`` hooks, signal handlers or the root logger): that module, and every module
+        that needs it, is then left out of this project's warm callers for good
+        (``KEY.exclude.json``, :mod:`cpq.caller.blame`), and this process starts again
+        without them. What can be put back is, after each of the plan's entries, and the
+        pass goes on: one pass finds them all."""
         boundary.mark_ready()
         importenv.start_done()
         self.watch.scan(self.started_ns)
