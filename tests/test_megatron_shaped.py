@@ -75,10 +75,12 @@ class Utils:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     inited = False
+    set_up = 0
 
     @staticmethod
     def initialize_distributed():
         if not dist.is_initialized():
+            Utils.set_up += 1  # where Megatron's helper sets its CUDA device up
             dist.init_process_group(
                 backend="gloo", world_size=Utils.world_size, rank=Utils.rank
             )
@@ -170,6 +172,11 @@ def test_fails_on_rank_one():
     assert dist.get_rank() == 0
 
 
+def test_the_set_up_of_an_uninitialised_worker_ran_once():
+    Utils.initialize_distributed()
+    assert Utils.set_up == 1
+
+
 def test_destroy_frees_every_group():
     Utils.initialize_model_parallel(tp=2)
     group = ps.tp_group()
@@ -192,7 +199,10 @@ def test_a_megatron_shaped_suite_gives_the_fresh_runs_verdicts(
     project = pytester.path
     args = ["-p", "verdicts", "-p", "no:cacheprovider", "-p", "no:randomly", "test_shaped.py"]
     reference, ref = fresh_verdicts(args, "ref", project)
-    assert len(reference) == 12, ref.stdout[-3000:]
+    assert len(reference) == 13, ref.stdout[-3000:]
+    assert reference["test_shaped.py::test_the_set_up_of_an_uninitialised_worker_ran_once"] == (
+        "passed"
+    )
     assert reference["test_shaped.py::test_tp_larger_than_world_fails"] == "failed"
     assert reference["test_shaped.py::test_fails_on_rank_one"] == "failed"
     assert reference["test_shaped.py::test_destroy_frees_every_group"] == "passed", ref.stdout

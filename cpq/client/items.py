@@ -245,6 +245,8 @@ def _setup(item: pytest.Item) -> None:
             kwargs = {**kwargs, "rerun": True}
         if timeouts.spent(item):  # an attempt after a failure: pytest-timeout times none
             kwargs = {**kwargs, "untimed": True}
+        if item.get_closest_marker("cpq") is not None:  # its group is initialised (README)
+            kwargs = {**kwargs, "marked": True}
         run.result = result = run.submit(kwargs)
         phases = _phases(item, run, result)
         if phases is not None and confirm.wanted(item.config, result, _failed(phases)):

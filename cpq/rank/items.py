@@ -374,6 +374,8 @@ def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:
         close_current()
     if _current is None:
         _forget_test_modules()  # as a fresh process would import them
+        # A fresh torchrun worker's default group is not initialised until the code does it.
+        pgroups.unshown()
         # A new calling session starts from a fresh process's state: no cached CUDA blocks
         # of the last one, Transformer Engine's process-wide state reset.
         reset.release_cuda_cache()
@@ -391,11 +393,13 @@ def run_item(
     next: str | None = None,
     rerun: bool = False,
     untimed: bool = False,
+    marked: bool = False,
 ) -> ItemRun:
     """Run test ``nodeid`` (of the file ``path``) through this rank's pytest session of the
     calling ``session``; ``next`` is the caller's next test id (None: its last test);
     ``rerun``: the caller's rerun plugin may run this test again after this attempt;
-    ``untimed``: an earlier attempt's failure spent pytest-timeout's timer (``InRank``).
+    ``untimed``: an earlier attempt's failure spent pytest-timeout's timer (``InRank``);
+    ``marked``: a ``@pytest.mark.cpq`` test, whose default group is initialised.
 
     An empty ``nodeid`` opens the session and collects, running no test: the calling
     process sends it while it collects itself (:mod:`cpq.client.opening`), so its first test
@@ -421,6 +425,8 @@ def run_item(
     elif current.generators is not None:
         generators.restore(current.generators)
         current.generators = None
+    if marked:
+        pgroups.shown()
     if began is not None:
         began()  # the deadline runs from here (cpq.rank.runtime sends it)
     current.run(item, next, untimed, rerun)

@@ -39,9 +39,15 @@ log = logging.getLogger("cpq.rank")
 
 _installed = False
 _warm: Any = None
-#: In a launched script's window (:func:`as_fresh_worker`): the default group is hidden
-#: until the script initialises it, as in a fresh worker.
+#: In a launched script's window (:func:`as_fresh_worker`), or after the code destroyed
+#: the default group: hidden from every caller of ``is_initialized`` — torch's own
+#: functions too — until the code initialises it, as in a fresh worker.
 _hidden = False
+#: From a calling pytest session's start (:func:`unshown`): the code's own
+#: ``dist.is_initialized()`` says False until it initialises, while torch's functions
+#: (``all_reduce``, ``get_rank``: ``distributed_c10d``'s own calls) see the warm group, so a
+#: test may still just use it (README).
+_unshown = False
 
 
 def install() -> None:
@@ -60,13 +66,17 @@ def install() -> None:
     def is_initialized() -> bool:
         return False if _hidden else bool(real_is_initialized())
 
+    @functools.wraps(real_is_initialized)
+    def is_initialized_seen() -> bool:  # the code's own view: torch.distributed's attribute
+        return False if _hidden or _unshown else bool(real_is_initialized())
+
     @functools.wraps(real_init)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-        global _hidden, script_initialised
+        global _hidden, _unshown, script_initialised
         if not real_is_initialized():
             real_init(backend, *args, **kwargs)
             return
-        _hidden = False  # the script's own group is the warm one from now on
+        _hidden = _unshown = False  # the code's own group is the warm one from now on
         script_initialised = _in_script
         asked = str(backend or kwargs.get("backend") or "").lower()
         have = str(c10d.get_backend()).lower()
@@ -81,9 +91,9 @@ def install() -> None:
 
     @functools.wraps(real_destroy)
     def destroy_process_group(group: Any = None) -> None:
-        global _hidden
+        global _hidden, _unshown
         if group is None or group is _warm:
-            if _hidden:  # a fresh worker's destroy before its init raises; so does this
+            if _hidden or _unshown:  # a fresh worker's destroy before its init raises
                 raise ValueError(
                     "Default process group has not been initialized, please make sure to "
                     "call init_process_group."
@@ -103,11 +113,16 @@ def install() -> None:
     }
     # Every torch.distributed module that bound the originals at its import (device_mesh
     # does, `from ... import is_initialized`); modules imported later bind the wrappers.
+    # distributed_c10d's own calls see the warm group when only the code's view hides it.
     for name, module in list(sys.modules.items()):
         if module is None or not (
             name == "torch.distributed" or name.startswith("torch.distributed.")
         ):
             continue
+        if name != c10d.__name__:
+            wrapped["is_initialized"] = (real_is_initialized, is_initialized_seen)
+        else:
+            wrapped["is_initialized"] = (real_is_initialized, is_initialized)
         for attr, (real, wrapper) in wrapped.items():
             if getattr(module, attr, None) is real:
                 setattr(module, attr, wrapper)
@@ -134,14 +149,29 @@ def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[index] if len(args) > index else None
 
 
+def unshown() -> None:
+    """A calling pytest session begins here: as in a fresh ``torchrun`` worker, the code's
+    ``dist.is_initialized()`` is False until it initialises the default group (its
+    ``init_process_group`` then joins the warm one). Megatron-LM's ``Utils`` sets its device
+    up only when it is not initialised: on a CPU host that fails in a fresh run."""
+    global _unshown
+    _unshown = True
+
+
+def shown() -> None:
+    """A ``@pytest.mark.cpq`` test: its default group is initialised (the marker's promise)."""
+    global _unshown
+    _unshown = False
+
+
 def caller_done(before: set[int]) -> None:
     """A calling session or a launch ended here: the groups it made since ``before`` (ids of
     :func:`made_groups` then) are destroyed, the warm group is bound to no device and seen
     initialised again, as the next caller expects to find it."""
-    global _hidden
+    global _hidden, _unshown
     destroy_made(before)
     _bind(None)
-    _hidden = False
+    _hidden = _unshown = False
 
 
 def _bind(device: Any) -> None:
