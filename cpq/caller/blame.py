@@ -42,12 +42,9 @@ from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
+from cpq.rank import probes
 
 State = dict[str, Any]
-
-#: Looked at often (twice a module found, twice a module executed): made once.
-_SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
 
 def _environ() -> dict[bytes, bytes]:
@@ -66,12 +63,12 @@ def snapshot() -> State:
     return {
         "sys.path": list(sys.path),
         "os.environ": _environ(),
-        "the sys hooks": {name: getattr(sys, name, None) for name in _HOOKS},
+        "the sys hooks": probes.sys_hooks(),
         "threading.excepthook": threading.excepthook,
-        "signal handlers": {s: signal.getsignal(s) for s in _SIGNALS},
+        "signal handlers": probes.signal_handlers(),
         "the root logger": (logging.root.level, list(logging.root.handlers)),
         "started a thread": set(threading.enumerate()),
-        "initialised CUDA": cuda_initialised(),
+        "initialised CUDA": probes.cuda_initialised(),
     }
 
 
@@ -383,8 +380,3 @@ def _importing_code() -> str:
             where.append(f"{name}:{frame.f_lineno} ({frame.f_code.co_name})")
         frame = frame.f_back
     return "from " + " < ".join(where)
-
-
-def cuda_initialised() -> bool:
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())

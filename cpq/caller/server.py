@@ -41,7 +41,7 @@ from typing import Any
 
 from cpq import environ
 from cpq.caller import blame, descriptors, wire
-from cpq.rank import ahead, boundary, freshness, importenv
+from cpq.rank import ahead, boundary, freshness, importenv, probes
 
 log = logging.getLogger("cpq.caller")
 
@@ -332,7 +332,7 @@ class Server:
         # Python thread, or CUDA initialised, would leave the fork broken.
         if threading.active_count() != 1:
             raise Refused("it runs a Python thread: a fork would copy one", fatal=True)
-        if blame.cuda_initialised():
+        if probes.cuda_initialised():
             raise Refused("CUDA is initialised: a fork could not use it", fatal=True)
 
     def _caller_gone(self, conn: socket.socket) -> None:

@@ -46,7 +46,6 @@ import importlib.machinery
 import io
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -55,12 +54,11 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpq.rank import boundary, carryover, freshness, importenv, items, reset
+from cpq.rank import boundary, carryover, freshness, importenv, items, probes, reset, warnfilters
 
 log = logging.getLogger("cpq.rank")
 
 ENV = "CPQ_IMPORT_AHEAD"
-_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
 
 
 def enabled() -> bool:
@@ -208,12 +206,12 @@ class _Saved:
             environ=dict(os.environ),
             filters=list(warnings.filters),
             switches=carryover.read_switches(),
-            hooks=_sys_hooks(),
+            hooks=probes.sys_hooks(),
             thread_hook=threading.excepthook,
-            signals=_signals(),
+            signals=probes.signal_handlers(),
             threads=set(threading.enumerate()),
             root_logger=(logging.root.level, list(logging.root.handlers)),
-            cuda=_cuda_initialized(),
+            cuda=probes.cuda_initialised(),
         )
 
     def changed(self, plan: Plan, kept: Kept) -> str:
@@ -223,15 +221,15 @@ class _Saved:
             return "changed sys.path"
         if dict(os.environ) != {**plan.environ, **kept.environ}:
             return "changed os.environ"
-        if _sys_hooks() != self.hooks or threading.excepthook is not self.thread_hook:
+        if probes.sys_hooks() != self.hooks or threading.excepthook is not self.thread_hook:
             return "replaced a sys hook"
-        if _signals() != self.signals:
+        if probes.signal_handlers() != self.signals:
             return "installed a signal handler"
         if set(threading.enumerate()) - self.threads:
             return "started a thread"
         if (logging.root.level, list(logging.root.handlers)) != self.root_logger:
             return "configured the root logger"
-        if _cuda_initialized() and not self.cuda:
+        if probes.cuda_initialised() and not self.cuda:
             return "initialised CUDA"
         return ""
 
@@ -240,7 +238,7 @@ class _Saved:
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
         reset.set_environ(self.environ)
-        _set_filters(self.filters)
+        warnfilters.put(self.filters)
         now = carryover.read_switches()
         carryover.put_switches({n: v for n, v in self.switches.items() if now.get(n) != v})
 
@@ -380,7 +378,7 @@ def _step(
                 break
             if after_import is not None and after_import(name):
                 raise _Refused(f"stopped after importing {name}")
-        delta = _filter_delta(filters, list(warnings.filters))
+        delta = warnfilters.delta(filters, list(warnings.filters))
     part.tops |= {name.partition(".")[0] for name in set(sys.modules) - before} | {top}
     for name, value in reads.items():
         part.reads.setdefault(name, value)
@@ -398,30 +396,6 @@ def _step(
 
 class _Refused(Exception):
     """The imports did what cannot be replayed (the message says what)."""
-
-
-def _filter_delta(old: list[Any], new: list[Any]) -> tuple[list[Any], list[Any]] | None:
-    """``(put in front, appended)`` such that ``warnings.filterwarnings`` calls adding them
-    turn ``old`` into ``new`` (a filter added again moves to the front, as ``warnings``
-    does); None when no such calls do (a filter removed, the list reset)."""
-    for k in range(len(new) + 1):
-        front = new[:k]
-        kept = [f for f in old if f not in front]
-        rest = new[k:]
-        if rest[: len(kept)] == kept and all(f not in old for f in rest[len(kept) :]):
-            return front, rest[len(kept) :]
-    return None
-
-
-def _replay_filters(front: list[Any], back: list[Any]) -> None:
-    """Add the filters a part's imports added, as their ``filterwarnings`` calls would now."""
-    filters = list(warnings.filters)
-    for item in reversed(front):
-        if item in filters:
-            filters.remove(item)
-        filters.insert(0, item)
-    filters += [item for item in back if item not in filters]
-    _set_filters(filters)
 
 
 def _share(detached: boundary.Detached, tops: set[str]) -> boundary.Detached:
@@ -571,7 +545,7 @@ def _hand_over(part: Part) -> None:
         sys.meta_path.remove(_FINDER)
     boundary.attach(part.detached)
     if part.front or part.back:
-        _replay_filters(part.front, part.back)
+        warnfilters.replay(part.front, part.back)
     carryover.put_switches(part.switches)
     part.kept.do()
     importenv.adopt(part.reads)
@@ -628,28 +602,3 @@ def _files(detached: boundary.Detached) -> list[str]:
         if isinstance(path, str):
             files.append(path)
     return files
-
-
-def _set_filters(filters: list[Any]) -> None:
-    if warnings.filters != filters:
-        warnings.filters[:] = filters  # type: ignore[index]
-        mutated = getattr(warnings, "_filters_mutated", None)
-        if mutated is not None:
-            mutated()
-
-
-def _sys_hooks() -> dict[str, Any]:
-    return {name: getattr(sys, name) for name in _HOOKS if hasattr(sys, name)}
-
-
-def _signals() -> dict[int, Any]:
-    skip = {signal.SIGKILL, signal.SIGSTOP}
-    return {int(s): signal.getsignal(s) for s in signal.Signals if s not in skip}
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch is not None and torch.cuda.is_initialized())
-    except Exception:
-        return False

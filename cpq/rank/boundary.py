@@ -60,6 +60,8 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpq.rank import probes
+
 log = logging.getLogger("cpq.rank")
 
 #: Families that stay loaded whatever was imported when: cpq itself, the pytest harness, and
@@ -71,7 +73,6 @@ HARNESS = frozenset(
 )
 _EXTENSIONS = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 _REGISTERED_AT = re.compile(r"registered at (.+?):\d+")
-_HOOKS = ("excepthook", "displayhook", "unraisablehook", "breakpointhook")
 
 Step = Callable[[], None]
 Listener = Callable[[dict[str, str]], None]
@@ -139,9 +140,9 @@ def mark_ready() -> None:
         meta_path=list(sys.meta_path),
         path_hooks=list(sys.path_hooks),
         filters=list(warnings.filters),
-        hooks={name: getattr(sys, name) for name in _HOOKS if hasattr(sys, name)},
+        hooks=probes.sys_hooks(),
         thread_hook=threading.excepthook,
-        signals={int(s): signal.getsignal(s) for s in _signals()},
+        signals=probes.signal_handlers(),
         ops=ops,
         impls=impls,
     )
@@ -487,11 +488,6 @@ def _reset_known_libraries(ready: _Ready) -> None:
                 reset()
         except Exception:
             log.exception("resetting accelerate's %s failed", name)
-
-
-def _signals() -> list[signal.Signals]:
-    skip = {signal.SIGKILL, signal.SIGSTOP}
-    return [s for s in signal.Signals if s not in skip]
 
 
 def _torch_registrations() -> tuple[frozenset[str], frozenset[str]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cpq.rank import ahead, boundary, importenv
+from cpq.rank import ahead, boundary, importenv, warnfilters
 
 NAMES = (
     *("aproj", "aproj.sub", "aquiet", "aother", "athread", "acustom", "ahook", "abroken"),
@@ -243,16 +243,16 @@ def test_an_import_hook_goes_and_comes_back_with_its_module(project: Path) -> No
 
 def test_the_filters_imports_add_are_replayed_as_their_calls_would_add_them() -> None:
     a, b, c, x, y = ("a",), ("b",), ("c",), ("x",), ("y",)
-    assert ahead._filter_delta([a, b, c], [b, a, c]) == ([b], [])  # added again: moved
-    assert ahead._filter_delta([a, b, c], [x, a, b, c, y]) == ([x], [y])  # append=True
-    assert ahead._filter_delta([a, b, c], [a, c]) is None  # one removed: not replayable
-    assert ahead._filter_delta([a, b], []) is None  # resetwarnings()
+    assert warnfilters.delta([a, b, c], [b, a, c]) == ([b], [])  # added again: moved
+    assert warnfilters.delta([a, b, c], [x, a, b, c, y]) == ([x], [y])  # append=True
+    assert warnfilters.delta([a, b, c], [a, c]) is None  # one removed: not replayable
+    assert warnfilters.delta([a, b], []) is None  # resetwarnings()
     with warnings.catch_warnings():
         warnings.resetwarnings()
         for item in ("c", "b", "a"):
             warnings.filterwarnings("ignore", message=item)
         before = list(warnings.filters)
-        ahead._replay_filters([before[1]], [])  # "b" moved to the front
+        warnfilters.replay([before[1]], [])  # "b" moved to the front
         assert [f[1].pattern for f in warnings.filters] == ["b", "a", "c"]
 
 
