@@ -90,5 +90,6 @@ def impossible(spec: PoolSpec, room: Room) -> str | None:
 def _raise(option: str) -> str:
     """How to give a broker more room, started by hand or by the plugin."""
     return (
-        f"start the broker with {option} (a broker the plugin starts: CPQ_BROKER_ARGS='{option}')"
+        f"start the broker with {option} (a broker the plugin starts: `cpq stop`, then "
+        f"CPQ_BROKER_ARGS='{option}' where the next session runs)"
     )
