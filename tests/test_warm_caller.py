@@ -511,15 +511,16 @@ def test_what_the_import_of_a_module_that_stays_loaded_warned_is_warned_in_the_s
 
 
 def test_a_cd_elsewhere_and_back_keeps_the_warm_caller(project: Path) -> None:
-    """tqdm's shape (torch imports it): a module walks the whole environment at import. A
-    session typed after a ``cd`` elsewhere and back (another ``OLDPWD``), or from a script
-    (another ``SHLVL``), is handed over all the same; a variable of the project's is not."""
+    """tqdm's shape (torch imports it): a module walks the whole environment at import for
+    the variables of its prefix. A session typed after a ``cd`` elsewhere and back (another
+    ``OLDPWD``), or from a script (another ``SHLVL``), or with a variable of its own that
+    the walk passes over, is handed over all the same; one of the walk's prefix is not."""
     (project / "walks.py").write_text(
         "import os\nFOUND = {k: v for k, v in os.environ.items() if k.startswith('WALK_')}\n"
     )
     conftest = project / "conftest.py"
     conftest.write_text("import walks\n" + conftest.read_text())
-    _session(project, "1", "first", OLDPWD="/here", SHLVL="1", WALK_MODE="a")
+    _session(project, "1", "first", OLDPWD="/here", SHLVL="1", WALK_MODE="a", OTHER_FLAG="0")
     _wait_until_served_by_a_warm_caller(project)
     elsewhere = _session(project, "1", "elsewhere", OLDPWD="/elsewhere", SHLVL="2", WALK_MODE="a")
     assert _served(project) == 1, _log(project)
@@ -528,8 +529,10 @@ def test_a_cd_elsewhere_and_back_keeps_the_warm_caller(project: Path) -> None:
         own.returncode,
         _verdicts(project, "own"),
     )
+    _session(project, "1", "unrelated", OLDPWD="/elsewhere", WALK_MODE="a", OTHER_FLAG="1")  # another value
+    assert _served(project) == 2, _log(project)
     _session(project, "1", "walked", OLDPWD="/elsewhere", WALK_MODE="b")
-    assert _served(project) == 1, _log(project)
+    assert _served(project) == 2, _log(project)
     assert "its imports read WALK_MODE, which differs" in _log(project)
 
 

@@ -95,6 +95,47 @@ SHELL_NOISE = frozenset(
 _walks = [0]
 
 
+class _Walk:
+    """One walk of the environment during an import: the values it read, held until it
+    ends, and the prefixes its keys were tested for (``k.startswith("TQDM_")``)."""
+
+    def __init__(self) -> None:
+        self.read: list[tuple[str, str | None]] = []
+        self.prefixes: set[str] = set()
+        self.keys: list[_WalkedKey] = []
+        self.tested = 0
+
+    def end(self) -> None:
+        """Bind what the walk read — only the variables a prefix it tested every key for
+        selects, when it tested each key so (tqdm's ``envwrap`` looks for its ``TQDM_``
+        variables this way: the rest of the environment binds nothing)."""
+        filtered = bool(self.prefixes) and self.tested >= len(self.keys)
+        for key in self.keys:  # what the walk's keys became tells it nothing more
+            del key._walk
+        for name, value in self.read:
+            if not filtered or name.startswith(tuple(self.prefixes)):
+                _record(name, value)
+
+
+#: The import-time walks in progress, innermost last.
+_walks_open: list[_Walk] = []
+
+
+class _WalkedKey(str):
+    """A key an import-time walk yields: tells its walk the prefixes it is tested for."""
+
+    _walk: _Walk | None = None
+
+    def startswith(self, prefix: Any, *args: Any) -> bool:
+        walk = self._walk
+        if walk is not None and not args:
+            found = {prefix} if isinstance(prefix, str) else set(prefix)
+            if all(isinstance(p, str) for p in found):
+                walk.prefixes |= found
+                walk.tested += 1
+        return str.startswith(self, prefix, *args)
+
+
 def _record(name: str, value: str | None) -> None:
     if _walks[0] and name in SHELL_NOISE:
         return
@@ -122,14 +163,32 @@ class _TrackedEnviron(os._Environ):  # type: ignore[type-arg]
                 _record(_name(key), None)
             raise
         if _importing():
-            _record(_name(key), value if isinstance(value, str) else os.fsdecode(value))
+            text = value if isinstance(value, str) else os.fsdecode(value)
+            walk = getattr(key, "_walk", None)
+            if walk is not None and walk in _walks_open:
+                walk.read.append((_name(key), text))  # bound when the walk ends
+            else:
+                _record(_name(key), text)
         return value
 
     def __iter__(self) -> Any:
         _walks[0] += 1  # what is read until the walk ends is read by walking (SHELL_NOISE)
+        walk = _Walk() if _importing() else None
         try:
-            yield from super().__iter__()
+            if walk is None:
+                yield from super().__iter__()
+                return
+            _walks_open.append(walk)
+            for key in super().__iter__():
+                if type(key) is str:
+                    key = _WalkedKey(key)
+                    key._walk = walk
+                    walk.keys.append(key)
+                yield key
         finally:
+            if walk is not None:
+                _walks_open.remove(walk)
+                walk.end()
             _walks[0] -= 1
 
     def __setitem__(self, key: Any, value: Any) -> None:

@@ -105,6 +105,30 @@ def test_the_shells_bookkeeping_read_by_a_walk_binds_nothing(
     assert importenv.bound["OLDPWD"] == "/elsewhere"
 
 
+def test_a_walk_that_tests_each_name_for_a_prefix_binds_only_those_variables(
+    tracked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tqdm's ``envwrap`` walks the environment for its ``TQDM_`` variables: only those bind
+    (another variable of the caller's changes nothing a fresh import would do); a walk
+    whose names are not tested so (a copy) binds every variable it read."""
+    monkeypatch.setenv("TPL_P_MININTERVAL", "3")
+    monkeypatch.setenv("TPL_T_UNRELATED", "1")
+    importenv.start_done()
+    _import(
+        tracked,
+        "tpl_t_prefixed",
+        "import os\nFOUND = {k: v for k, v in os.environ.items() if k.startswith('TPL_P_')}\n",
+    )
+    assert importenv.bound == {"TPL_P_MININTERVAL": "3"}
+    monkeypatch.setenv("TPL_T_UNRELATED", "2")
+    assert importenv.differs() == ("", False)
+    monkeypatch.setenv("TPL_P_MININTERVAL", "4")
+    assert importenv.differs() == ("TPL_P_MININTERVAL", False)
+    copied = _import(tracked, "tpl_t_copied", "import os\nSNAPSHOT = dict(os.environ)\n")
+    assert "TPL_T_UNRELATED" in importenv.bound
+    assert not any(getattr(k, "_walk", None) for k in copied.SNAPSHOT)  # type: ignore[attr-defined]
+
+
 def test_start_up_bindings_are_marked_and_a_library_s_own_variable_binds_nothing(
     tracked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
