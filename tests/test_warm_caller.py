@@ -529,7 +529,7 @@ def test_a_cd_elsewhere_and_back_keeps_the_warm_caller(project: Path) -> None:
         own.returncode,
         _verdicts(project, "own"),
     )
-    _session(project, "1", "unrelated", OLDPWD="/elsewhere", WALK_MODE="a", OTHER_FLAG="1")  # another value
+    _session(project, "1", "unrelated", OLDPWD="/elsewhere", WALK_MODE="a", OTHER_FLAG="1")
     assert _served(project) == 2, _log(project)
     _session(project, "1", "walked", OLDPWD="/elsewhere", WALK_MODE="b")
     assert _served(project) == 2, _log(project)

@@ -17,8 +17,10 @@ which ends the fork as it ends any process.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
+import gc
 import importlib.util
 import io
 import logging
@@ -39,6 +41,11 @@ def become(
     """Become the caller (``message``, its descriptors ``fds``); ``kept``: the variables
     the imports of modules that stay loaded set, set again here as their import did there."""
     conn.close()
+    # The warm caller froze its heap before the fork (server._accept): the session's
+    # collections skip it. At the exit it is collected again, as a fresh process's is
+    # (an object of it left uncollected would change what the exit does: triton's
+    # nanobind reports leaks then).
+    atexit.register(gc.unfreeze)
     os.setpgid(0, 0)
     _set_signals(message)
     descriptors.install(fds, message.get("fds", [0, 1, 2]))

@@ -27,6 +27,7 @@ one then exits when its sessions are done, as it does after ``CPQ_WARM_CALLER_ID
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import select
@@ -265,6 +266,10 @@ class Server:
                 conn.close()
                 return
             self._check(message, fds)
+            # What this process holds goes to the permanent generation before the fork (as
+            # the gc docs advise for a fork server): the session's collections skip the
+            # warm heap; the fork puts it back for its exit (child.become).
+            gc.freeze()
             pid = os.fork()
         except Refused as refused:
             self._refuse(conn, fds, str(refused), refused.fatal)
