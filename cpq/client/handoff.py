@@ -69,6 +69,12 @@ def served() -> bool:
     return wire.served is not None
 
 
+def refused() -> str:
+    """Why the project's warm caller did not take this session ("" when none refused it):
+    its summary line says so — a newcomer found the reason only in the warm caller's log."""
+    return "" if served() else str(_start.get("refused") or "")
+
+
 def _start_path() -> list[str]:
     served = _served()
     return list(served["path"]) if served else list(_START_PATH)
