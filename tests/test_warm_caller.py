@@ -148,6 +148,18 @@ def _wait_until_served_by_a_warm_caller(project: Path) -> None:
     raise AssertionError(f"no warm caller came up:\n{_log(project)}")
 
 
+def _own_then_handed(
+    project: Path,
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """A first session starts the warm caller; then one without it and one it serves."""
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
+    assert _served(project) == 1, _log(project)
+    return own, handed
+
+
 def _wait_until_every_warm_caller_serves(project: Path) -> None:
     """Every warm caller started so far has finished importing (it serves, or is gone)."""
     deadline = time.monotonic() + 120
@@ -330,11 +342,7 @@ def test_a_module_whose_import_starts_a_thread_is_left_to_the_session_with_its_u
     (project / "spins_too.py").write_text("from spinner import STARTED\n")
     conftest = project / "conftest.py"
     conftest.write_text("import spins, spins_too\n" + conftest.read_text())
-    _session(project, "1", "first")
-    _wait_until_served_by_a_warm_caller(project)
-    own = _session(project, "0", "own")
-    handed = _session(project, "1", "handed")
-    assert _served(project) == 1, _log(project)
+    own, handed = _own_then_handed(project)
     log_text = _log(project)
     assert "leaving out spinner: its code started a thread, and 2 modules" in log_text, log_text
     assert log_text.count("starting again") == 1, log_text
@@ -438,11 +446,7 @@ def test_a_variable_an_import_sets_is_set_in_the_handed_over_session_too(
         "def pytest_report_header():\n"
         "    return f\"heavy cache: {os.environ.get('HEAVY_CACHE')}\"\n\n" + conftest.read_text()
     )
-    _session(project, "1", "first")
-    _wait_until_served_by_a_warm_caller(project)
-    own = _session(project, "0", "own")
-    handed = _session(project, "1", "handed")
-    assert _served(project) == 1, _log(project)
+    own, handed = _own_then_handed(project)
     assert "leaving out" not in _log(project)
     assert "heavy cache: /tmp/heavy-cache" in own.stdout
     _same_output(handed.stdout, own.stdout)
@@ -481,11 +485,7 @@ def test_an_entry_an_import_appends_to_the_path_is_appended_in_the_handed_over_s
         "    tail = [p.rpartition('/')[2] for p in sys.path[-2:]]\n"
         "    return f'{appends.vendored_dep.NAME}; the path ends {tail}'\n\n" + conftest.read_text()
     )
-    _session(project, "1", "first")
-    _wait_until_served_by_a_warm_caller(project)
-    own = _session(project, "0", "own")
-    handed = _session(project, "1", "handed")
-    assert _served(project) == 1, _log(project)
+    own, handed = _own_then_handed(project)
     assert "leaving out" not in _log(project)
     assert "vendored; the path ends" in own.stdout and "'vendor']" in own.stdout
     _same_output(handed.stdout, own.stdout)
@@ -507,11 +507,7 @@ def test_what_the_import_of_a_module_that_stays_loaded_warned_is_warned_in_the_s
     )
     conftest = project / "conftest.py"
     conftest.write_text("import registers\n" + conftest.read_text())
-    _session(project, "1", "first")
-    _wait_until_served_by_a_warm_caller(project)
-    own = _session(project, "0", "own")
-    handed = _session(project, "1", "handed")
-    assert _served(project) == 1, _log(project)
+    own, handed = _own_then_handed(project)
     assert "falling back to the slow kernels" in own.stdout
     _same_output(handed.stdout, own.stdout)
 
