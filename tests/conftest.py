@@ -33,6 +33,8 @@ def start_broker(state_dir: Path, *args: str) -> tuple[subprocess.Popen[bytes], 
     """A real ``cpq-broker`` process on a private ipc endpoint, serving when this returns."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     endpoint = f"ipc://{state_dir / 'broker.sock'}"
+    if "--memory" not in args:
+        args = (*args, "--memory", str(TEST_BROKER_MEMORY_MB))
     process = spawn_broker(
         endpoint,
         args,
@@ -46,6 +48,14 @@ def start_broker(state_dir: Path, *args: str) -> tuple[subprocess.Popen[bytes], 
 
 
 _shared: dict[str, object] = {}
+
+#: What the idle CPU groups of each broker this suite starts may hold (``--memory``). The
+#: broker's default, half of the memory available at its start, is a node's whole budget:
+#: this suite runs a dozen brokers and fresh ``torchrun`` references side by side on CI's
+#: 24 GiB, and with the default the shared broker alone kept 45 idle groups (12 GB) warm, the
+#: machine ran out of memory and CI took 73 minutes. 3 GB keeps a dozen idle ranks: the
+#: groups a test file reuses, least recently used evicted first.
+TEST_BROKER_MEMORY_MB = 3000
 
 
 def _unit_tier_only(config: pytest.Config) -> bool:
@@ -65,6 +75,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if hasattr(config, "workerinput"):
         return  # an xdist worker of this suite: the controller's broker is in os.environ
+    if "CPQ_GROUP_ID" in os.environ:
+        return  # a cpq rank rebuilding a session of this suite: its broker is the caller's
     if _unit_tier_only(config):
         return  # tests/unit runs without processes or sockets (tests/unit/conftest.py)
     state = Path(tempfile.mkdtemp(prefix="cpq-test-state-"))
@@ -72,11 +84,20 @@ def pytest_configure(config: pytest.Config) -> None:
     process, endpoint = start_broker(
         state, "--max-ranks", "6", "--spares", "0"
     )  # spares: test_spares
+    # The inner sessions that start a broker of their own (a HOME or state directory of
+    # their own) keep to the same budget, unless a test sets the variable itself.
+    names = (
+        "CPQ_ENDPOINT",
+        "CPQ_STATE_DIR",
+        "PYTEST_ADDOPTS",
+        "CPQ_WARM_CALLER",
+        "CPQ_BROKER_ARGS",
+    )
     _shared.update(process=process, endpoint=endpoint, state=state)
-    names = ("CPQ_ENDPOINT", "CPQ_STATE_DIR", "PYTEST_ADDOPTS", "CPQ_WARM_CALLER")
     _shared["old_env"] = {k: os.environ.get(k) for k in names}
     os.environ["CPQ_ENDPOINT"] = endpoint
     os.environ["CPQ_STATE_DIR"] = str(state)
+    os.environ.setdefault("CPQ_BROKER_ARGS", f"--memory {TEST_BROKER_MEMORY_MB}")
     # The inner sessions (hundreds, each of its own rootdir) keep no warm caller each: on
     # this suite's two cores they would compete with the tests. tests/test_warm_caller.py
     # turns it on for its own sessions.
