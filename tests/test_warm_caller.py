@@ -7,6 +7,7 @@ starts, ``python -m pytest`` sessions as a shell starts them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -161,16 +162,32 @@ def _own_then_handed(
 
 
 def _wait_until_every_warm_caller_serves(project: Path) -> None:
-    """Every warm caller started so far has finished importing (it serves, or is gone)."""
+    """Every warm caller started so far has finished importing (it serves, or is gone).
+
+    One a session spawned at its end may not have written a line yet (on a loaded machine
+    its interpreter starts seconds later): the session's warming note names it from the
+    spawn on, so that note must say it serves, or its process be gone, too."""
     deadline = time.monotonic() + 120
     while True:
         text = _log(project)
         importing = set(re.findall(r"cpq\.caller\[(\d+)\] importing a plan", text))
         done = set(re.findall(r"cpq\.caller\[(\d+)\] (?:serving|giving up|closing)", text))
-        if importing <= done:
+        if importing <= done and not _spawned_and_warming(project):
             return
         assert time.monotonic() < deadline, text
-        time.sleep(0.1)  # polling the warm callers' log
+        time.sleep(0.1)  # polling the warm callers' log and notes
+
+
+def _spawned_and_warming(project: Path) -> bool:
+    """A warming note names a live warm caller that does not serve yet."""
+    for note in (project.parent / "state" / "callers").glob("*.warming.json"):
+        try:
+            said = json.loads(note.read_text())
+        except (OSError, ValueError):  # replaced as it was read: the next poll reads it
+            return True
+        if not said.get("serving") and wire.alive(int(said["pid"])):
+            return True
+    return False
 
 
 def _same_output(one: str, other: str) -> None:

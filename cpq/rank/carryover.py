@@ -21,6 +21,7 @@ from test to test too.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import sys
@@ -57,6 +58,18 @@ class Switch:
     name: str
     get: Callable[[Any], Any]
     put: Callable[[Any, Any], None]
+    #: For a flag read as an attribute: the object that holds it, from torch, and its name.
+    owner: Callable[[Any], Any] | None = None
+    attr: str = ""
+
+    def reader(self, torch: Any) -> Callable[[], Any]:
+        """A function of no argument that reads the switch of ``torch``; an attribute's
+        owner (``torch.backends.cudnn``, a module object torch never replaces) is looked
+        up here, once, not at every read: a function task reads every switch (43 on torch
+        2.13) before it runs, and the walks were two thirds of that."""
+        if self.owner is None:
+            return functools.partial(self.get, torch)
+        return functools.partial(getattr, self.owner(torch), self.attr)
 
 
 def _attr(path: str) -> Switch:
@@ -73,6 +86,8 @@ def _attr(path: str) -> Switch:
         path,
         lambda torch: getattr(owner(torch), attr),
         lambda torch, value: setattr(owner(torch), attr, value),
+        owner,
+        attr,
     )
 
 
@@ -207,14 +222,26 @@ def _switches() -> list[Switch]:
 #: Every switch this torch has, restored at a boundary (built on first use).
 SWITCHES: list[Switch] = []
 
+#: ``(name, read)`` for the switches of :data:`SWITCHES`, bound to the torch module named
+#: by ``_readers_of`` (see :meth:`Switch.reader`); a switch whose owner that torch lacks
+#: (an older torch; a submodule not imported yet) is tried again at each read.
+_readers: dict[str, Callable[[], Any]] = {}
+_readers_of: list[Any] = []
+
 
 def _read(torch: Any) -> dict[str, Any]:
     if not SWITCHES:
         SWITCHES.extend(_switches())
+    if _readers_of != [torch]:
+        _readers.clear()
+        _readers_of[:] = [torch]
     values: dict[str, Any] = {}
     for switch in SWITCHES:
         try:
-            values[switch.name] = switch.get(torch)
+            read = _readers.get(switch.name)
+            if read is None:
+                read = _readers[switch.name] = switch.reader(torch)
+            values[switch.name] = read()
         except Exception:  # an older torch without it: nothing to restore
             continue
     return values

@@ -95,3 +95,18 @@ def test_a_mix_of_both_precision_apis_is_put_back(ready: carryover.Carryover) ->
     ready.restore_switches()
     assert torch.get_float32_matmul_precision() == "highest"  # raises on a mixed state
     assert not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_a_flag_whose_owner_appears_later_is_read_from_then_on() -> None:
+    """The readers are bound once per torch module; a flag whose owner is not there yet (a
+    submodule imported later, as the warm caller may read mid-import) is read once it is."""
+    import types
+
+    fake = types.SimpleNamespace(backends=types.SimpleNamespace())
+    before = carryover._read(fake)
+    assert "backends.cudnn.benchmark" not in before
+    fake.backends.cudnn = types.SimpleNamespace(benchmark=True)
+    assert carryover._read(fake)["backends.cudnn.benchmark"] is True
+    fake.backends.cudnn.benchmark = False  # read afresh, not remembered
+    assert carryover._read(fake)["backends.cudnn.benchmark"] is False
+    assert carryover._read(torch) == carryover.read_switches()  # back to the real torch
