@@ -52,9 +52,10 @@ _shared: dict[str, object] = {}
 #: What the idle CPU groups of each broker this suite starts may hold (``--memory``). The
 #: broker's default, half of the memory available at its start, is a node's whole budget:
 #: this suite runs a dozen brokers and fresh ``torchrun`` references side by side on CI's
-#: 24 GiB, and with the default the shared broker alone kept 45 idle groups (12 GB) warm, the
-#: machine ran out of memory and CI took 73 minutes. 3 GB keeps a dozen idle ranks: the
-#: groups a test file reuses, least recently used evicted first.
+#: 24 GiB. With the default the shared broker alone kept 45 idle groups (12 GB) warm, the
+#: run peaked at 19.7 GiB used, and a CI run took 73 minutes and lost a broker's heartbeats.
+#: 3 GB keeps a dozen idle ranks: the groups a test file reuses, least recently used evicted
+#: first (BENCHMARKS.md, "The suite's memory on CI's machine").
 TEST_BROKER_MEMORY_MB = 3000
 
 
@@ -84,8 +85,6 @@ def pytest_configure(config: pytest.Config) -> None:
     process, endpoint = start_broker(
         state, "--max-ranks", "6", "--spares", "0"
     )  # spares: test_spares
-    # The inner sessions that start a broker of their own (a HOME or state directory of
-    # their own) keep to the same budget, unless a test sets the variable itself.
     names = (
         "CPQ_ENDPOINT",
         "CPQ_STATE_DIR",
@@ -97,6 +96,8 @@ def pytest_configure(config: pytest.Config) -> None:
     _shared["old_env"] = {k: os.environ.get(k) for k in names}
     os.environ["CPQ_ENDPOINT"] = endpoint
     os.environ["CPQ_STATE_DIR"] = str(state)
+    # The inner sessions that autostart a broker of their own (a HOME or state directory
+    # of their own) keep to the same budget, unless a test sets the variable itself.
     os.environ.setdefault("CPQ_BROKER_ARGS", f"--memory {TEST_BROKER_MEMORY_MB}")
     # The inner sessions (hundreds, each of its own rootdir) keep no warm caller each: on
     # this suite's two cores they would compete with the tests. tests/test_warm_caller.py
