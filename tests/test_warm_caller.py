@@ -7,7 +7,6 @@ starts, ``python -m pytest`` sessions as a shell starts them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -179,15 +179,12 @@ def _wait_until_every_warm_caller_serves(project: Path) -> None:
 
 
 def _spawned_and_warming(project: Path) -> bool:
-    """A warming note names a live warm caller that does not serve yet."""
-    for note in (project.parent / "state" / "callers").glob("*.warming.json"):
-        try:
-            said = json.loads(note.read_text())
-        except (OSError, ValueError):  # replaced as it was read: the next poll reads it
-            return True
-        if not said.get("serving") and wire.alive(int(said["pid"])):
-            return True
-    return False
+    """A warming note of the project's state directory names a live warm caller that does
+    not serve yet (``wire.still_warming``, what a session itself asks)."""
+    state = str((project.parent / "state").resolve())
+    with mock.patch.dict(os.environ, {"CPQ_STATE_DIR": state}):
+        notes = wire.folder().glob("*.warming.json")
+        return any(wire.still_warming(n.name.removesuffix(".warming.json")) for n in notes)
 
 
 def _same_output(one: str, other: str) -> None:

@@ -575,8 +575,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     line += f"; {stats.spawn_wait_s:.1f}s waiting for groups to start (measured by the broker)"
     if handoff.served():
         line += "; started from the project's warm caller"
-    elif handoff.refused():
-        line += f"; not started from the project's warm caller: {handoff.refused()}"
+    elif refused := handoff.refused():
+        line += f"; not started from the project's warm caller: {refused}"
     confirmed, tests = confirm.summary(config)
     terminalreporter.write_sep("-", line + confirmed)
     for test in tests:
