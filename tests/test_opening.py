@@ -95,6 +95,10 @@ def test_the_ranks_collect_as_a_fresh_rank_does_and_run_the_first_test_there(
         )
         got = json.loads((project / f"{session}-client.json").read_text())
         assert got == reference, f"{session}: {got} != {reference}\n{run.stdout[-4000:]}"
+        # Nothing else runs on this broker's groups: the header, written while the ranks
+        # open the session, never shows a group as busy with someone else's work.
+        header = next(line for line in run.stdout.splitlines() if line.startswith("cpq: broker"))
+        assert "[busy]" not in header, header
     # The warm session waited for no group: its JUnit testcases carry no properties, as a
     # fresh run's carry none (cpq's wait property is for a wait, or for the fan-out's records)
     assert "<property " not in (project / "warm.xml").read_text()

@@ -132,6 +132,7 @@ def _pool(pools: Pools, group: Group, now: float) -> dict[str, Any]:
         else {
             "target": task.submit.target,
             "test_id": task.submit.test_id,
+            "session": task.submit.session,  # a pytest session tells its own tasks apart
             "elapsed_s": now - task.started_at,
             "deadline_s": task.timeout_s,
             "deadline_note": task.deadline_note,

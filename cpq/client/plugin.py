@@ -313,7 +313,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if status is None:
         return [f"cpq: no broker at {endpoint}"]
     broker = status["broker"]
-    groups = Counter(f"{p['spec']}[{p['state']}]" for p in status["pools"])
+    groups = Counter(f"{p['spec']}[{_state(p, session.session_id)}]" for p in status["pools"])
     listing = ", ".join(f"{k}x{v}" for k, v in sorted(groups.items())) or "none yet"
     lines = [
         f"cpq: broker {endpoint} pid {broker['pid']} GPUs {','.join(broker['gpus']) or 'none'}; "
@@ -325,6 +325,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             "`cpq stop` it to use this code"
         )
     return lines
+
+
+def _state(pool: dict[str, Any], session_id: str) -> str:
+    """A group's state for the header. A group busy with this session's own task (its
+    opening, which starts before the header is written) says so: a newcomer read a bare
+    "busy" as another session holding the group."""
+    task = pool.get("task") or {}
+    if pool["state"] == "busy" and task.get("session") == session_id:
+        return "busy: this session"
+    return str(pool["state"])
 
 
 # --------------------------------------------------------------------------- running
