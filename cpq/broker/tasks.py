@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpq import protocol
-from cpq.broker import hangs, interrupts, refusals, retries
+from cpq.broker import begun, hangs, interrupts, refusals, retries
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.debugging import DebugSessions
@@ -34,7 +34,7 @@ from cpq.broker.queues import Queues
 from cpq.broker.startenv import StartBound
 from cpq.broker.timeline import Timeline
 from cpq.broker.verdicts import Verdicts, join, verdict
-from cpq.protocol import PYTEST_ITEM_TARGET, RankResult
+from cpq.protocol import RankResult
 
 log = logging.getLogger("cpq.broker")
 
@@ -163,12 +163,7 @@ class Tasks:
         task.last_group_id = group.id
         task.started_at = now
         self.timeline.started(task, group)
-        # A test run by the ranks' pytest starts its clock at its protocol (``rank_begun``):
-        # until then the rank builds its pytest session (plugins, conftests, collection),
-        # which pytest-timeout in a fresh run does not count either. That build gets the
-        # start allowance a group's spawn gets; a test's own deadline begins after it.
-        building = task.submit.target == PYTEST_ITEM_TARGET
-        task.deadline = now + task.timeout_s + (self.config.start_timeout_s if building else 0)
+        task.deadline = begun.first_deadline(task, now, self.config.start_timeout_s)
         task.begun_ranks.clear()
         task.ended_ranks.clear()
         task.results.clear()
@@ -253,23 +248,12 @@ class Tasks:
         task.coverage.clear()
 
     def rank_begun(self, group: Group, rank_no: int, message: protocol.RankBegun) -> None:
-        """A rank starts the test's own protocol: its deadline runs from now (the rank's
-        pytest session build and collection are not the test's time). A rank's second
-        ``rank_begun`` says its protocol ended and the caller's session finishes: once every
-        rank is there, the finish gets the start allowance, as a fresh run's is not timed."""
+        """A rank starts the test's own protocol, or ends it (:mod:`cpq.broker.begun`)."""
         task = group.task
         if task is None or task.submit.task_id != message.task_id or task.stacks_until:
             return
-        now = self.clock.monotonic()
-        if rank_no in task.begun_ranks:  # its protocol ended: the session's finish
-            task.ended_ranks.add(rank_no)
-            if len(task.ended_ranks) == group.spec.world_size:  # none is in the test now
-                task.deadline = max(task.deadline, now + self.config.start_timeout_s)
-            return
-        # The first rank to begin ends the build's allowance; a later one may only extend it.
-        end = now + task.timeout_s
-        task.deadline = max(task.deadline, end) if task.begun_ranks else end
-        task.begun_ranks.add(rank_no)
+        now, start = self.clock.monotonic(), self.config.start_timeout_s
+        begun.rank_begun(task, rank_no, group.spec.world_size, now, start)
 
     def rank_stacks(self, group: Group, rank_no: int, message: protocol.RankStacks) -> None:
         task = group.task

@@ -170,6 +170,31 @@ def submit_message(
     return message, task_env
 
 
+def client_info(name: str, info: dict[str, Any] | None) -> dict[str, Any]:
+    """What a client tells the broker of itself in its hello (``info`` adds to it)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pidns": pid_namespace(),  # lets the broker look at this process
+        "name": name or os.path.basename(sys.argv[0] or "python"),
+        "xdist_worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "features": sorted(protocol.ALL_FEATURES),  # what this client can decode
+        **(info or {}),
+    }
+
+
+def broker_pace(broker: dict[str, Any], heartbeat_s: float, liveness: int) -> tuple[float, int]:
+    """The client's heartbeat and liveness with a broker that welcomed it so: at least as
+    often as the broker expects, giving up on it as soon as it would give up on us (a
+    broker run with a short --heartbeat drops a client that keeps the 1 s default, and its
+    clients should notice its death as fast). A welcome without them changes nothing."""
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        return min(heartbeat_s, float(broker["heartbeat_s"])), min(
+            liveness, int(broker["liveness"])
+        )
+    return heartbeat_s, liveness
+
+
 class Client:
     """A connection to a broker. Use as a context manager, or call :meth:`close`."""
 
@@ -187,15 +212,7 @@ class Client:
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self.broker: dict[str, Any] = {}
-        self._info = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "pidns": pid_namespace(),  # lets the broker look at this process
-            "name": name or os.path.basename(sys.argv[0] or "python"),
-            "xdist_worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
-            "features": sorted(protocol.ALL_FEATURES),  # what this client can decode
-            **(info or {}),
-        }
+        self._info = client_info(name, info)
         self._waiting: dict[str, list[str]] = {}  # task id -> "still waiting" notices
         #: The task variables of the last submit, when the broker remembers them (feature
         #: ``env-delta``): an equal set then travels as ``env_same``.
@@ -246,12 +263,7 @@ class Client:
             raise
         self.broker = welcome.broker
         self.broker_features = frozenset(self.broker.get("features") or ())
-        # Heartbeat at least as often as the broker expects and give up on it as soon as it
-        # would give up on us: a broker run with a short --heartbeat drops a client that
-        # keeps the 1 s default, and its clients should notice its death as fast.
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            self.heartbeat_s = min(self.heartbeat_s, float(self.broker["heartbeat_s"]))
-            self.liveness = min(self.liveness, int(self.broker["liveness"]))
+        self.heartbeat_s, self.liveness = broker_pace(self.broker, heartbeat_s, liveness)
         self._socket.heartbeat_s, self._socket.liveness = self.heartbeat_s, self.liveness
         self._socket.watching = True
 
