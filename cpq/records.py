@@ -70,10 +70,16 @@ class PoolSpec:
         return cached
 
     def __hash__(self) -> int:
-        return hash(self.key())
+        # Hashed dozens of times a task (queues, pools, placement's snapshot): a tuple does
+        # not keep its hash, so the spec does.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(self.key())
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PoolSpec) and self.key() == other.key()
+        return self is other or (isinstance(other, PoolSpec) and self.key() == other.key())
 
     def label(self) -> str:
         """A short human name: ``ws2/gloo`` plus the task variables a caller pinned (say

@@ -59,7 +59,7 @@ POOL_KEYS = {
     "bound_env", "start_bound_env",
     "spec_id",
 }  # fmt: skip
-TASK_KEYS = {"target", "test_id", "elapsed_s", "deadline_s", "deadline_note", "attempt"}
+TASK_KEYS = {"target", "test_id", "session", "elapsed_s", "deadline_s", "deadline_note", "attempt"}
 QUEUE_KEYS = {"spec", "spec_id", "world_size", "depth", "oldest_wait_s"}
 CLIENT_KEYS = {
     "id", "host", "pid", "name", "xdist_worker", "in_flight", "submitted", "last_seen_s",

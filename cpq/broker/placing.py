@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from cpq.broker.model import Task, session_of
+from cpq.broker.model import Group, Task, session_of
+from cpq.broker.placement import recycling
 from cpq.broker.placement.decisions import Decision, Run, Start, Stop, WantGpus, Yield
 from cpq.broker.placement.steps import Placement, Steps
 from cpq.broker.placement.view import Bounds, Queued, QueueView, Snapshot
@@ -51,15 +52,7 @@ class Placer:
             idle = sum(1 for g in pools.groups.values() if g.spec == spec and g.state == "idle")
             head = tuple(_queued(task) for task in queue.head(idle + 1))  # all that may run
             views.append(QueueView(spec, head, len(queue), queue.oldest()))
-        leases, sharing, config = pools.leases, pools.sharing, pools.config
-        bounds = Bounds(
-            config.spares,
-            config.spare_window_s,
-            config.scale_up_after_s,
-            config.max_tasks_per_group,
-            config.max_rss_growth_mb,
-            config.idle_release_s,
-        )
+        leases, sharing = pools.leases, pools.sharing
         return Snapshot(
             now=now,
             wall=pools.clock.time(),
@@ -67,7 +60,7 @@ class Placer:
             groups=pools.view(self._reservable()),
             queues=tuple(views),
             history=pools.history,
-            bounds=bounds,
+            bounds=self._bounds(),
             held_elsewhere=leases.held_elsewhere(now) if leases else frozenset(),
             foreign=tuple(sharing.foreign) if sharing else (),
             uuids=pools.config.gpu_uuids,
@@ -75,6 +68,28 @@ class Placer:
             closing=closing,
             warm=tuple(self.requests.warm),
         )
+
+    def _bounds(self) -> Bounds:
+        config = self.pools.config
+        return Bounds(
+            config.spares,
+            config.spare_window_s,
+            config.scale_up_after_s,
+            config.max_tasks_per_group,
+            config.max_rss_growth_mb,
+            config.idle_release_s,
+        )
+
+    def after_release(self, group: Group) -> bool:
+        """Whether ``group``, just released by its task, gives placement something to do at
+        once: a task waits (it may go there), another broker wants GPUs (it may yield
+        them), or the group must not serve again (recycled, and a spare may replace it).
+        What else placement would decide of it (a spare beside it, an idle group
+        released) waits for the next tick or submit, at most one tick."""
+        sharing = self.pools.sharing
+        if self.tasks.queues or (sharing is not None and sharing.foreign):
+            return True
+        return bool(recycling.recycle_reason(self.pools.view_of(group), self._bounds()))
 
     def _reservable(self) -> frozenset[str] | None:
         """The queued tasks that may hold a reserved group (None: no group is reserved,

@@ -125,9 +125,9 @@ class Pools:
     def view(self, queued: frozenset[str] | None = None) -> tuple[GroupView, ...]:
         """The groups as placement sees them; ``queued``: the keys of the queued tasks (a
         group reserved for a task no longer queued, cancelled say, is an ordinary one)."""
-        return tuple(self._view(g, queued) for g in self.groups.values())
+        return tuple(self.view_of(g, queued) for g in self.groups.values())
 
-    def _view(self, group: Group, queued: frozenset[str] | None = None) -> GroupView:
+    def view_of(self, group: Group, queued: frozenset[str] | None = None) -> GroupView:
         cpu = not self.room.uses_gpus(group.spec)
         memory = 0.0
         if cpu:  # measured where it can be; a group not ready yet holds its spec's estimate

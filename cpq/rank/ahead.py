@@ -596,9 +596,4 @@ def _file(module: Any) -> str | None:
 
 
 def _files(detached: boundary.Detached) -> list[str]:
-    files = []
-    for module in detached.modules.values():
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str):
-            files.append(path)
-    return files
+    return [path for module in detached.modules.values() if (path := _file(module))]
