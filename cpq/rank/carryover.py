@@ -271,6 +271,9 @@ class Carryover:
 
     switches: dict[str, Any] = field(default_factory=dict)
     cuda_reserved_mb: float = 0.0
+    #: The switches were put back after the last task and nothing ran since: the next
+    #: boundary has nothing to restore (:meth:`restore_while_idle`).
+    restored: bool = False
 
     @classmethod
     def capture(cls) -> Carryover:
@@ -279,8 +282,18 @@ class Carryover:
             return cls()
         return cls(_read(torch), _reserved_mb(torch))
 
+    def restore_while_idle(self) -> None:
+        """Put the switches back now, between tasks, when the next task crosses a boundary
+        whatever it is (no calling session is open here): reading 43 switches is then off
+        the next task's path. Whatever runs on this rank before that task (a post-mortem,
+        imports ahead) must say so (``restored = False``)."""
+        self.restore_switches()
+        self.restored = True
+
     def restore_switches(self) -> list[str]:
         """Set every switch that differs from the ready rank's back; the names set."""
+        if self.restored:  # nothing ran since they were put back
+            return []
         torch = sys.modules.get("torch")
         if torch is None or not self.switches:
             return []

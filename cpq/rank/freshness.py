@@ -18,8 +18,11 @@ fresh group). What is checked, and why that is enough:
   every version change), which moves that directory's modification time; one ``stat`` per
   site directory covers every installed package. Editing a file inside site-packages by
   hand is not seen (pip never does that; recycle with ``cpq stop``).
-* **Not checked**: the standard library; files read as data (``open()``), which the task
-  reads afresh anyway; and generated code in the caches of just-in-time compilers (Triton's
+* **Not checked**: the standard library; cpq's own package, also where it runs from a
+  checkout (the ranks run their broker's cpq, which the caller compares with its own by
+  code fingerprint and names when they differ; a group restarted on an edit of cpq would
+  run new rank code under the old broker); files read as data (``open()``), which the
+  task reads afresh anyway; and generated code in the caches of just-in-time compilers (Triton's
   ``TRITON_CACHE_DIR`` and ``~/.triton/cache``, TorchInductor's ``TORCHINDUCTOR_CACHE_DIR``
   and ``<tmp>/torchinductor_<user>``, ``TORCH_EXTENSIONS_DIR`` and
   ``~/.cache/torch_extensions``), plus any directory in ``CPQ_UNWATCHED``
@@ -60,6 +63,8 @@ _UNKNOWN = (-1, -1)
 
 #: Test modules pytest imported in this rank (cpq.rank.items): an edit needs no fresh group.
 reexecuted: set[str] = set()
+#: cpq's own package, wherever it is installed from (a checkout on ``PYTHONPATH`` too).
+_CPQ_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _library_dirs() -> tuple[list[str], list[str]]:
@@ -73,6 +78,7 @@ def _library_dirs() -> tuple[list[str], list[str]]:
         sites.append(user_site)
     sites = [os.path.realpath(s) for s in dict.fromkeys(sites) if os.path.isdir(s)]
     libs = [os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")]
+    libs.append(_CPQ_DIR)  # the rank's own code: its broker's, never the code under test
     prefixes = [p.rstrip(os.sep) + os.sep for p in dict.fromkeys(libs + sites)]
     return prefixes, sites
 

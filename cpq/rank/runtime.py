@@ -515,6 +515,7 @@ def main() -> None:
         # the boundary between callers (cpq.rank.carryover).
         continuing = items.continues(task)
         state = "" if continuing else _cross_boundary(task, carried)
+        carried.restored = False  # the task runs: it may set any switch
         stale = state or (watch.changed() if check_code and not continuing else "")
         stale_kind: protocol.StaleKind = "code" if stale else ""
         if state and "state-refusal" in features:
@@ -571,10 +572,13 @@ def main() -> None:
         link.send(frame)
         if task.debug and result.outcome == "failed":
             pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
+        if not items.session_open() and not stale:  # the next task crosses a boundary
+            carried.restore_while_idle()
         if ahead.pending() and not done.unfit:  # idle now: the watchdog holds the socket
             link.give()
             ahead.warm(task_waits=lambda: bool(link.tasks))
             link.take()
+            carried.restored = False
     log.info("shutting down")
     hard_exit(0)
 

@@ -76,6 +76,23 @@ def test_what_a_caller_set_is_put_back(ready: carryover.Carryover) -> None:
     assert ready.restore_switches() == []  # nothing left to put back
 
 
+def test_switches_put_back_while_idle_are_not_read_again_until_something_runs(
+    ready: carryover.Carryover,
+) -> None:
+    """Between tasks with no session open, the rank puts the switches back at once (off the
+    next task's path); the next boundary then has nothing to do, until the rank runs
+    something again (a task, a post-mortem, imports ahead), which clears ``restored``."""
+    torch.set_default_dtype(torch.float64)  # what the last task left
+    ready.restore_while_idle()
+    assert torch.get_default_dtype() == torch.float32
+    assert ready.restored
+    torch.set_default_dtype(torch.float64)  # as if the rank ran code without saying so
+    assert ready.restore_switches() == []  # not read: the flag is the rank's promise
+    ready.restored = False  # what the runtime does when a task, a post-mortem or imports run
+    assert ready.restore_switches() == ["default_dtype"]
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_without_cuda_nothing_makes_a_rank_unfit(ready: carryover.Carryover) -> None:
     assert carryover.sticky_cuda_error() == ""
     assert ready.unfit_after_caller() == ""
