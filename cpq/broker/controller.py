@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cpq import protocol
+from cpq import protocol, tracepoints
 from cpq.broker.clock import Clock
 from cpq.broker.model import Client, Group, Rank, Totals
 
@@ -67,6 +67,7 @@ class Controller:
             return
         identity, frame = frames
         client = self.clients.get(identity)
+        arrived = tracepoints.now()
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
@@ -78,6 +79,8 @@ class Controller:
             reply = protocol.ErrorReply(f"malformed message: {exc}", _task_id_of(frame))
             self.send_client(identity, reply)
             return
+        if isinstance(message, protocol.Submit):
+            tracepoints.mark(message.task_id, "broker reads the submit", arrived)
         handler = self.client_handlers.get(type(message))
         if handler is None:
             self._junk("%r from client %s: not a client message", message.KIND, identity.hex())
@@ -101,12 +104,15 @@ class Controller:
                 self._unreadable(frames[0], f"{len(frames) - 1} frames, not 1")
             return
         identity, frame = frames
+        arrived = tracepoints.now()
         try:
             message = protocol.decode(frame)
         except protocol.ProtocolError as exc:
             self._junk("malformed message from rank peer %s: %s", identity.hex(), exc)
             self._unreadable(identity, f"a frame that does not decode: {exc}")
             return
+        if isinstance(message, protocol.RankDone):
+            tracepoints.mark(message.task_id, "broker reads a report", arrived)
         if isinstance(message, protocol.RankHello):
             self.rank_hello(identity, message)  # checks the group's token itself
             return

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cpq import protocol
+from cpq import protocol, tracepoints
 from cpq.broker import begun, hangs, interrupts, refusals, retries
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
@@ -174,6 +174,7 @@ class Tasks:
         for rank in group.ranks.values():
             if not self.send_rank(rank.identity, frame):
                 return f"rank {rank.rank} is unreachable"
+        tracepoints.mark(task.submit.task_id, "broker dispatched")
         return ""
 
     def rank_done(self, group: Group, rank_no: int, message: protocol.RankDone) -> None:

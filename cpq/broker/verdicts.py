@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from cpq import protocol
+from cpq import protocol, tracepoints
 from cpq.broker.clock import Clock
 from cpq.broker.config import BrokerConfig
 from cpq.broker.history import History, TimingsLog
@@ -123,6 +123,7 @@ class Verdicts:
                 result.message = f"result could not be encoded (coverage dropped): {exc}"[:4000]
                 frame = protocol.encode_for(protocol.Done(result), features)
             self.send_client(task.client, frame)
+            tracepoints.mark(task.submit.task_id, "broker sent the verdict")
         # After the send: the client waits for the verdict, not for the history's disk write.
         # A test whose deadline passed is FAILED in pytest (pytest-timeout's failure, or
         # cpq's error in the call phase): the timeline colours it as pytest reports it.

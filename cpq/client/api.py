@@ -30,7 +30,7 @@ import zmq
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # PEP 692; typing has it from Python 3.11
 
-from cpq import environ, paths, protocol
+from cpq import environ, paths, protocol, tracepoints
 from cpq.client.capabilities import refuse_unread_options
 from cpq.client.shared_socket import SharedSocket
 from cpq.osutil import pid_namespace
@@ -300,6 +300,7 @@ class Client:
             raise
         finally:
             self._waiting.pop(task_id, None)
+        tracepoints.mark(task_id, "client returns")
         return future.result()
 
     def wait(
@@ -364,6 +365,7 @@ class Client:
         lead: bool,
     ) -> Future[TaskResult]:
         """Send the task; ``lead``: the caller reads its verdict itself (:meth:`_wait`)."""
+        began = tracepoints.now()
         message, task_env = submit_message(target, world_size, kwargs, options)
         refuse_unread_options(message, self.broker_features, self.endpoint)
         future: Future[TaskResult] = Future()
@@ -377,6 +379,8 @@ class Client:
                 self._env_sent = task_env
             self._tasks[message.task_id] = future
             sent_now = self._socket.send(frame)
+        tracepoints.mark(message.task_id, "client submits", began)
+        tracepoints.mark(message.task_id, "client sent")
         if sent_now and not lead:  # nobody holds the socket to read the verdict
             self._socket.kicked.set()
         return future
@@ -496,6 +500,7 @@ class Client:
         return not junk
 
     def _on_done(self, message: protocol.Done) -> None:
+        tracepoints.mark(message.result.task_id, "client decoded the verdict")
         future = self._tasks.pop(message.result.task_id, None)
         if future is not None:
             future.set_result(message.result)

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from cpq import protocol
+from cpq import protocol, tracepoints
 from cpq.osutil import die_with_parent
 from cpq.rank import (
     ahead,
@@ -503,6 +503,7 @@ def main() -> None:
     last_env: dict[str, str] | None = None
     profile = TaskProfile.from_env(config.rank)
     while (task := link.next_task()) is not None:
+        tracepoints.mark(task.task_id, "rank has the task")
         link.give()  # the watchdog heartbeats for a task that outlasts its tick
         profile.begin()
         if task.env_same:  # the broker left out the variables: the previous task's
@@ -517,6 +518,7 @@ def main() -> None:
         state = "" if continuing else _cross_boundary(task, carried)
         carried.restored = False  # the task runs: it may set any switch
         stale = state or (watch.changed() if check_code and not continuing else "")
+        tracepoints.mark(task.task_id, "rank checked")
         stale_kind: protocol.StaleKind = "code" if stale else ""
         if state and "state-refusal" in features:
             stale_kind = "state"
@@ -528,6 +530,7 @@ def main() -> None:
         else:
             items.began = _began_sender(link, task.task_id, config.rank, features)
             result, ran = run_task(task, config.rank, baseline, capture, check_env)
+            tracepoints.mark(task.task_id, "rank ran it")
             items.began = None
             if ran.variable:
                 stale, stale_kind, stale_start = ran.variable, "variable", ran.at_start
@@ -568,8 +571,10 @@ def main() -> None:
             result.outcome, result.value = "failed", None
             frame = protocol.encode_for(done, features)
         profile.end()
+        tracepoints.mark(task.task_id, "rank encoded its report")
         link.take()
         link.send(frame)
+        tracepoints.mark(task.task_id, "rank sent its report")
         if task.debug and result.outcome == "failed":
             pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
         if not items.session_open() and not stale:  # the next task crosses a boundary
@@ -580,6 +585,7 @@ def main() -> None:
             link.take()
             carried.restored = False
     log.info("shutting down")
+    tracepoints.flush()
     hard_exit(0)
 
 
