@@ -16,6 +16,7 @@ SHARED = {
     "cpq.lockfile",
     "cpq.timings",
     "cpq.osutil",
+    "cpq.tracepoints",  # CPQ_TRACE_DIR: every process on a task's path notes its steps
     "cpq.environ",
     "cpq.wirecheck",
     "cpq.features",
