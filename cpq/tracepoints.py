@@ -37,10 +37,18 @@ def now() -> float:
 
 
 def flush() -> None:
-    if DIR and _notes:
+    """Append the notes so far to this process's file. A folder that cannot be written
+    turns the notes off: tracing must never fail the task it watches."""
+    global DIR
+    if not DIR or not _notes:
+        return
+    batch = _notes[: len(_notes)]  # another thread may note meanwhile: only these go
+    del _notes[: len(batch)]
+    try:
         with open(os.path.join(DIR, f"{os.getpid()}.jsonl"), "a") as handle:
-            handle.write(json.dumps(_notes) + "\n")
-        _notes.clear()
+            handle.write(json.dumps(batch) + "\n")
+    except OSError:
+        DIR = ""
 
 
 atexit.register(flush)

@@ -11,6 +11,7 @@ fault tests are ordered to reuse the group a previous retry left warm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -488,6 +489,25 @@ def test_cpq_status_json_has_the_documented_fields(broker: str, client: Client) 
 # --------------------------------------------------------------------------- faults
 
 
+def _ready_pools(client: Client) -> list[dict[str, Any]]:
+    """The pools once none is starting (a starting one lists only the ranks that said
+    hello), idle or busy ones only (another worker's may be stopping)."""
+    deadline = time.monotonic() + 60
+    while True:
+        pools = client.status()["pools"]
+        if not any(p["state"] == "starting" for p in pools) or time.monotonic() > deadline:
+            return [p for p in pools if p["state"] in ("idle", "busy")]
+        time.sleep(0.1)
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a group stopping meanwhile
+            found.append(psutil.Process(pid))
+    return found
+
+
 def _pool(client: Client, group_id: str) -> dict[str, Any]:
     pools = [p for p in client.status()["pools"] if p["id"] == group_id]
     assert pools, f"group {group_id} is not in the broker's status"
@@ -543,11 +563,9 @@ def test_frozen_rank_is_caught_by_heartbeats_killed_and_retried(
 ) -> None:
     warm = client.submit(NOOP, WS, env=FAULTS)
     assert warm.outcome == "passed", explain(warm)
-    # Every group's ranks now: placement may run the task on another idle group of the spec
-    # (a spare) than the one that served ``warm``; the note names the one it froze.
-    ranks = {
-        p["id"]: [psutil.Process(pid) for pid in p["rank_pids"]] for p in client.status()["pools"]
-    }
+    # Every ready group's ranks now: placement may run the task on another idle group of the
+    # spec (a spare) than the one that served ``warm``; the note names the one it froze.
+    ranks = {p["id"]: _processes(p["rank_pids"]) for p in _ready_pools(client)}
     marker = tmp_path / "stopped-once"
     result = client.submit(
         "workers.faults:sigstop",
@@ -565,6 +583,7 @@ def test_frozen_rank_is_caught_by_heartbeats_killed_and_retried(
     assert frozen_id in ranks, (frozen_id, ranks)  # a warm group, not one started for it
     assert result.group_id != frozen_id
     frozen_group = ranks[frozen_id]
+    assert len(frozen_group) == WS, ranks  # every rank of it, or the check below is hollow
     # A stopped process ignores SIGTERM: the old group must still be gone (SIGKILL).
     deadline = time.monotonic() + 15
     while any(_running(p) for p in frozen_group) and time.monotonic() < deadline:

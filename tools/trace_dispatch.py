@@ -22,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,8 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TRACE = tempfile.mkdtemp(prefix="cpq-trace-")
-os.environ.update(CPQ_TRACE_DIR=TRACE, CPQ_SPEC_ENV="CPQ_TRACE_DIR")  # before cpq's import
 
 from cpq import Client, tracepoints  # noqa: E402
 from cpq.client.autostart import broker_alive  # noqa: E402
@@ -64,9 +63,9 @@ STEPS = [
 ]
 
 
-def read_notes() -> dict[str, dict[str, list[float]]]:
+def read_notes(folder: str) -> dict[str, dict[str, list[float]]]:
     notes: dict[str, dict[str, list[float]]] = {}
-    for path in glob.glob(os.path.join(TRACE, "*.jsonl")):
+    for path in glob.glob(os.path.join(folder, "*.jsonl")):
         with open(path) as handle:
             for line in handle:
                 for task_id, step, at in json.loads(line):
@@ -87,6 +86,7 @@ def step_times(notes: dict[str, list[float]]) -> dict[str, float] | None:
             a, b = sorted(notes.get(start, [])), sorted(notes.get(end, []))
             if len(a) != 2 or len(b) != 2:
                 return None
+            # paired by time, not by process: the slower rank's step, near enough
             out[name] = max(y - x for x, y in zip(a, b, strict=True))
         else:
             if start not in notes or end not in notes:
@@ -100,6 +100,11 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--json", help="also write the medians here")
     args = parser.parse_args()
+    trace = tempfile.mkdtemp(prefix="cpq-trace-")
+    # This process notes too (its module read the variable at import: set it here), and
+    # the ranks see it as a start variable of the spec.
+    os.environ.update(CPQ_TRACE_DIR=trace, CPQ_SPEC_ENV="CPQ_TRACE_DIR")
+    tracepoints.DIR = trace
     state = Path(tempfile.mkdtemp(prefix="cpq-trace-state-"))
     endpoint = f"ipc://{state / 'broker.sock'}"
     broker = subprocess.Popen(
@@ -112,7 +117,7 @@ def main() -> None:
         while not broker_alive(endpoint):
             time.sleep(0.01)
         with Client(endpoint, name="trace_dispatch") as client:
-            client.submit(NOOP, 2, roots=[str(ROOT)])
+            first = client.submit(NOOP, 2, roots=[str(ROOT)]).task_id  # the group's start
             while any(p["state"] == "starting" for p in client.status()["pools"]):
                 time.sleep(0.1)
             warm = [client.submit(NOOP, 2, roots=[str(ROOT)]).task_id for _ in range(50)]
@@ -122,8 +127,11 @@ def main() -> None:
     finally:
         broker.terminate()
         broker.wait(timeout=30)
-    notes = read_notes()
-    times = [t for task_id, n in notes.items() if task_id not in warm and (t := step_times(n))]
+        shutil.rmtree(state, ignore_errors=True)
+    notes = read_notes(trace)
+    shutil.rmtree(trace, ignore_errors=True)
+    left_out = {first, *warm}
+    times = [t for task_id, n in notes.items() if task_id not in left_out and (t := step_times(n))]
     medians = {name: statistics.median(t[name] for t in times) * 1e6 for name, _, _ in STEPS}
     print(f"{os.cpu_count()} cores, {len(times)} of {args.tasks} no-ops with every note (µs):")
     for name, _, _ in STEPS:

@@ -108,7 +108,7 @@ def send(config: pytest.Config, session: CpqSession) -> None:
             affinity=affinity,
             retries=0,  # an infra failure: the first test builds the session itself
             coverage=None if cov is None else coverage_relay.session_config(cov, ""),
-            session=session.session_id,
+            session=session.process_session,
             own_groups=session.own_groups or cov is not None,  # as the tests' own
         )
     except Exception:  # an optimisation: the tests connect again and report what they find

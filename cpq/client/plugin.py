@@ -313,7 +313,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if status is None:
         return [f"cpq: no broker at {endpoint}"]
     broker = status["broker"]
-    groups = Counter(f"{p['spec']}[{_state(p, session.session_id)}]" for p in status["pools"])
+    groups = Counter(f"{p['spec']}[{_state(p, session.process_session)}]" for p in status["pools"])
     listing = ", ".join(f"{k}x{v}" for k, v in sorted(groups.items())) or "none yet"
     lines = [
         f"cpq: broker {endpoint} pid {broker['pid']} GPUs {','.join(broker['gpus']) or 'none'}; "

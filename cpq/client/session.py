@@ -141,9 +141,14 @@ class CpqSession:
         self.own_groups = config.getoption("cpq_own_groups") or (
             env_own not in ("", "0") if env_own is not None else ini_own
         )
-        #: This test session, shared by its xdist workers (``Submit.session``).
+        #: This pytest process's part of the session (``Submit.session``): the session id,
+        #: and an xdist worker's id after it. A worker is one pytest process, as in a fresh
+        #: run: placement keeps its tests on its own group (docs/design.md "A session's
+        #: home"). With the shared id, two workers measuring coverage took turns on one
+        #: group, and each turn put back the torch switches the other's tests had set.
         workerinput = getattr(config, "workerinput", None) or {}
-        self.session_id = str(workerinput.get("testrunuid") or uuid.uuid4().hex)
+        worker = workerinput.get("workerid")
+        self.process_session = f"{self.session_id}/{worker}" if worker else self.session_id
         #: The random state when the session began: a plugin set it when it differs now.
         self.rng_at_start = rng.Snapshot()
         self.stats = Stats()
@@ -296,7 +301,7 @@ class CpqSession:
                     debug_rank=self.debug_rank if debug else None,
                     rng=rng.capture() if send_rng and self.rng_at_start.changed() else None,
                     coverage=None if cov is None else coverage_relay.session_config(cov, context),
-                    session=self.session_id,
+                    session=self.process_session,
                     # Measured: only groups whose imports this session measured (a module
                     # another session's task imported would lose its import-time lines).
                     own_groups=own_groups or self.own_groups or cov is not None,

@@ -25,6 +25,7 @@ import functools
 import gc
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,21 +275,24 @@ class Carryover:
     #: The switches were put back after the last task and nothing ran since: the next
     #: boundary has nothing to restore (:meth:`restore_while_idle`).
     restored: bool = False
+    #: Python threads when the rank was ready (its own).
+    threads: int = 0
 
     @classmethod
     def capture(cls) -> Carryover:
         torch = sys.modules.get("torch")
         if torch is None:
-            return cls()
-        return cls(_read(torch), _reserved_mb(torch))
+            return cls(threads=threading.active_count())
+        return cls(_read(torch), _reserved_mb(torch), threads=threading.active_count())
 
     def restore_while_idle(self) -> None:
         """Put the switches back now, between tasks, when the next task crosses a boundary
         whatever it is (no calling session is open here): reading 43 switches is then off
         the next task's path. Whatever runs on this rank before that task (a post-mortem,
-        imports ahead) must say so (``restored = False``)."""
+        imports ahead) must say so (``restored = False``). A thread a caller left running
+        could set a switch after this: then nothing is promised."""
         self.restore_switches()
-        self.restored = True
+        self.restored = threading.active_count() <= self.threads
 
     def restore_switches(self) -> list[str]:
         """Set every switch that differs from the ready rank's back; the names set."""

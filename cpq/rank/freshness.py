@@ -18,19 +18,17 @@ fresh group). What is checked, and why that is enough:
   every version change), which moves that directory's modification time; one ``stat`` per
   site directory covers every installed package. Editing a file inside site-packages by
   hand is not seen (pip never does that; recycle with ``cpq stop``).
-* **Not checked**: the standard library; cpq's own package, also where it runs from a
-  checkout (the ranks run their broker's cpq, which the caller compares with its own by
-  code fingerprint and names when they differ; a group restarted on an edit of cpq would
-  run new rank code under the old broker); files read as data (``open()``), which the
-  task reads afresh anyway; and generated code in the caches of just-in-time compilers (Triton's
-  ``TRITON_CACHE_DIR`` and ``~/.triton/cache``, TorchInductor's ``TORCHINDUCTOR_CACHE_DIR``
-  and ``<tmp>/torchinductor_<user>``, ``TORCH_EXTENSIONS_DIR`` and
-  ``~/.cache/torch_extensions``), plus any directory in ``CPQ_UNWATCHED``
-  (``os.pathsep``-separated). A compiler writes such a module during the task that first
-  imports it, and rewrites it when another process compiles the same kernel; its name is a
-  hash of its source, so what the rank loaded is what a fresh run would load. Watching them
-  stopped every group that compiled a kernel (seen with Transformer Engine on GPUs). Only
-  these: ``~/.cache`` as a whole also holds the user's code (Hugging Face's
+* **Not checked**: the standard library; in a rank, cpq's own package, also where it runs
+  from a checkout (:class:`CodeWatch` says why; the warm caller watches it); files read as
+  data (``open()``), which the task reads afresh anyway; and generated code in the caches of
+  just-in-time compilers (Triton's ``TRITON_CACHE_DIR`` and ``~/.triton/cache``,
+  TorchInductor's ``TORCHINDUCTOR_CACHE_DIR`` and ``<tmp>/torchinductor_<user>``,
+  ``TORCH_EXTENSIONS_DIR`` and ``~/.cache/torch_extensions``), plus any directory in
+  ``CPQ_UNWATCHED`` (``os.pathsep``-separated). A compiler writes such a module during the
+  task that first imports it, and rewrites it when another process compiles the same kernel;
+  its name is a hash of its source, so what the rank loaded is what a fresh run would load.
+  Watching them stopped every group that compiled a kernel (seen with Transformer Engine on
+  GPUs). Only these: ``~/.cache`` as a whole also holds the user's code (Hugging Face's
   ``trust_remote_code`` copies, torch hub checkouts).
 
 The test file of a marker test is the exception: it is re-executed from its path whenever
@@ -78,7 +76,6 @@ def _library_dirs() -> tuple[list[str], list[str]]:
         sites.append(user_site)
     sites = [os.path.realpath(s) for s in dict.fromkeys(sites) if os.path.isdir(s)]
     libs = [os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")]
-    libs.append(_CPQ_DIR)  # the rank's own code: its broker's, never the code under test
     prefixes = [p.rstrip(os.sep) + os.sep for p in dict.fromkeys(libs + sites)]
     return prefixes, sites
 
@@ -116,10 +113,18 @@ def file_stamp(path: str) -> tuple[int, int] | None:
 
 
 class CodeWatch:
-    """The files this rank's code came from, and whether any of them changed."""
+    """The files this rank's code came from, and whether any of them changed.
 
-    def __init__(self) -> None:
+    ``cpq=False``: cpq's own package is not watched. A rank's cpq is its broker's, which
+    the caller compares with its own by code fingerprint; and a group restarted on an edit
+    of cpq would run new rank code under the old broker. The warm caller watches it: what
+    it forks is a caller's pytest process, cpq's client and plugin included, and an edit of
+    them must reach the next session, as in a fresh process."""
+
+    def __init__(self, cpq: bool = True) -> None:
         self._library, sites = _library_dirs()
+        if not cpq:
+            self._library.append(_CPQ_DIR + os.sep)
         self.files: dict[str, tuple[int, int]] = {}
         for directory in sites:
             stamp = file_stamp(directory)

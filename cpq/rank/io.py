@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from cpq import protocol
+from cpq import protocol, tracepoints
 from cpq.rank import cancel, items
 
 log = logging.getLogger("cpq.rank")
@@ -308,5 +308,6 @@ def _harness_dirs() -> tuple[str, ...]:
 
 
 def hard_exit(code: int) -> None:
+    tracepoints.flush()  # os._exit runs no atexit
     logging.shutdown()
     os._exit(code)

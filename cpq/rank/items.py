@@ -501,11 +501,6 @@ def in_session() -> bool:
     return _current is not None
 
 
-def session_open() -> bool:
-    """Whether a calling session's tests run here (its next test continues it)."""
-    return _current is not None
-
-
 def continues(task: Any) -> bool:
     """Whether ``task`` is the next test of the calling session whose tests run here now."""
     return _current is not None and _current.begun and of_current(task)

@@ -444,7 +444,7 @@ def _forget_modules(why: str) -> boundary.Crossed | None:
 
 def main() -> None:
     started_ns = time.time_ns()
-    watch = CodeWatch()  # the site directories as they are at start-up
+    watch = CodeWatch(cpq=False)  # the site directories as they are at start-up
     config = RankConfig.from_env()
     die_with_parent()
     leases.check_held()  # before any GPU is touched
@@ -577,7 +577,7 @@ def main() -> None:
         tracepoints.mark(task.task_id, "rank sent its report")
         if task.debug and result.outcome == "failed":
             pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
-        if not items.session_open() and not stale:  # the next task crosses a boundary
+        if not items.in_session() and not stale and not done.unfit:  # a boundary comes next
             carried.restore_while_idle()
         if ahead.pending() and not done.unfit:  # idle now: the watchdog holds the socket
             link.give()
@@ -585,7 +585,6 @@ def main() -> None:
             link.take()
             carried.restored = False
     log.info("shutting down")
-    tracepoints.flush()
     hard_exit(0)
 
 

@@ -428,17 +428,23 @@ def test_generated_code_in_a_compiler_cache_is_not_watched_but_the_users_is(
     assert watch.changed() == str(project / "cpq_written_now.py")
 
 
-def test_cpqs_own_modules_are_not_watched_even_from_a_checkout() -> None:
+def test_a_rank_does_not_watch_cpqs_own_modules_but_the_warm_caller_does() -> None:
     """A rank runs its broker's cpq (the caller compares code fingerprints): an edit of cpq
     is not a change of the code under test, and a group restarted on it would run new rank
-    code under the old broker. The project's modules beside cpq stay watched."""
+    code under the old broker. The project's modules beside cpq stay watched. The warm
+    caller forks the caller's own pytest process, whose cpq must be the edited one."""
     import cpq
     import workers.collectives
 
-    watch = freshness.CodeWatch()
-    watch.scan(0)
-    assert not [path for path in watch.files if path.startswith(os.path.dirname(cpq.__file__))]
-    assert os.path.realpath(workers.collectives.__file__) in watch.files
+    own = os.path.realpath(os.path.dirname(cpq.__file__)) + os.sep
+    rank = freshness.CodeWatch(cpq=False)
+    rank.scan(0)
+    assert not [path for path in rank.files if path.startswith(own)]
+    assert os.path.realpath(workers.collectives.__file__) in rank.files
+    # the warm caller forks a caller's pytest process: its cpq is the caller's code
+    caller = freshness.CodeWatch()
+    caller.scan(0)
+    assert [path for path in caller.files if path.startswith(own)]
 
 
 def test_tritons_home_cache_stays_unwatched_after_inductor_moves_triton_elsewhere(

@@ -15,6 +15,7 @@ from cpq import tracepoints
 
 def test_off_a_note_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tracepoints, "DIR", "")
+    monkeypatch.setattr(tracepoints, "_notes", [])
     tracepoints.mark("t1", "client submits")
     assert tracepoints._notes == [] and tracepoints.now() == 0.0
 
