@@ -298,8 +298,6 @@ class Client:
                 with contextlib.suppress(BrokerUnavailable):
                     self._send(protocol.Cancel(task_id=task_id))
             raise
-        finally:
-            self._waiting.pop(task_id, None)
         tracepoints.mark(task_id, "client returns")
         return future.result()
 
@@ -308,11 +306,7 @@ class Client:
     ) -> TaskResult:
         """The verdict of a task sent with :meth:`submit_async`, read in this thread as
         :meth:`submit` reads its own (``on_wait`` as there)."""
-        task_id: str = future.task_id  # type: ignore[attr-defined]
-        try:
-            self._wait(future, on_wait)
-        finally:
-            self._waiting.pop(task_id, None)
+        self._wait(future, on_wait)
         return future.result()
 
     def cancel(self, task_id: str) -> None:
@@ -322,22 +316,26 @@ class Client:
 
     def _wait(self, future: Future[TaskResult], on_wait: Callable[[str], None] | None) -> None:
         """Read the socket in this thread until ``future`` is done (no thread hand-off);
-        while another caller's thread holds the socket, it reads for this one too."""
+        while another caller's thread holds the socket, it reads for this one too. The
+        task's "still waiting" notices go, however it ends."""
         task_id: str = future.task_id  # type: ignore[attr-defined]
         sock = self._socket
-        while not future.done():
-            if sock.take(timeout_s=0.05):
-                try:
-                    while not future.done() and not (on_wait and self._waiting.get(task_id)):
-                        sock.pump(int(min(250, self.heartbeat_s * 500)))
-                finally:
-                    sock.release()
-                    if self._tasks or self._control:  # others' futures: the background reads
-                        sock.kicked.set()
-            # Not holding the socket: a slow callback must not stop heartbeats and reads.
-            if on_wait is not None:
-                for notice in self._take_waiting(task_id):
-                    on_wait(notice)
+        try:
+            while not future.done():
+                if sock.take(timeout_s=0.05):
+                    try:
+                        while not future.done() and not (on_wait and self._waiting.get(task_id)):
+                            sock.pump(int(min(250, self.heartbeat_s * 500)))
+                    finally:
+                        sock.release()
+                        if self._tasks or self._control:  # others' futures: the background reads
+                            sock.kicked.set()
+                # Not holding the socket: a slow callback must not stop heartbeats and reads.
+                if on_wait is not None:
+                    for notice in self._take_waiting(task_id):
+                        on_wait(notice)
+        finally:
+            self._waiting.pop(task_id, None)
 
     def _take_waiting(self, task_id: str) -> list[str]:
         with self._lock:
