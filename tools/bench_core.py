@@ -26,9 +26,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -39,8 +37,11 @@ STARTED_NS = time.time_ns()  # before any cpq module is imported (for the freshn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "tools"))
+
+from benchkit import cpu_broker  # noqa: E402
+
 from cpq import Client, TaskResult  # noqa: E402
-from cpq.client.autostart import broker_alive  # noqa: E402
 
 NOOP = "workers.collectives:noop"
 #: cpq and the stdio pool take turns, this many tasks each, so both see the same load.
@@ -163,20 +164,11 @@ def main() -> int:
     pool = None if args.no_stdio else stdio_pool()
     stdio: list[float] = []
 
-    state = Path(tempfile.mkdtemp(prefix="cpq-bench-"))
-    endpoint = f"ipc://{state / 'broker.sock'}"
-    command = [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint]
-    command += ["--gpus", "none", *args.broker_arg]
-    broker = subprocess.Popen(
-        command,
-        env=dict(os.environ, CPQ_STATE_DIR=str(state)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     try:
-        while not broker_alive(endpoint):
-            time.sleep(0.01)
-        with Client(endpoint, name="bench_core") as client:
+        with (
+            cpu_broker("cpq-bench-", *args.broker_arg) as (endpoint, broker),
+            Client(endpoint, name="bench_core") as client,
+        ):
             started = time.perf_counter()
             first = client.submit(NOOP, 2, roots=[str(ROOT)])
             first_wall = time.perf_counter() - started
@@ -210,8 +202,6 @@ def main() -> int:
             rate_8 = throughput(client, args.tasks, 8)
             groups = client.status()["totals"]["groups_started"]
     finally:
-        broker.terminate()
-        broker.wait(timeout=30)
         if pool is not None:
             pool.__exit__(None, None, None)
 

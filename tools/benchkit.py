@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -124,3 +125,31 @@ class PrivateBroker:
         from cpq.client.autostart import stop_broker
 
         stop_broker(self.process)
+
+
+@contextlib.contextmanager
+def cpu_broker(prefix: str, *args: str) -> Any:
+    """``with cpu_broker("cpq-bench-") as (endpoint, process):`` a ``cpq-broker`` of the
+    benchmark's own (a fresh state folder, ``--gpus none``, ``args`` added), serving when
+    entered; terminated and its folder removed on the way out."""
+    import sys
+    import tempfile
+
+    from cpq.client.autostart import broker_alive
+
+    state = Path(tempfile.mkdtemp(prefix=prefix))
+    endpoint = f"ipc://{state / 'broker.sock'}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint, "--gpus", "none", *args],
+        env=dict(os.environ, CPQ_STATE_DIR=str(state)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while not broker_alive(endpoint):
+            time.sleep(0.01)
+        yield endpoint, process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        shutil.rmtree(state, ignore_errors=True)

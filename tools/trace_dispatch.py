@@ -6,12 +6,14 @@ This starts a private broker with ``CPQ_TRACE_DIR`` set (and passed to the ranks
 variable), runs ``--tasks`` no-ops one at a time on a ws=2 gloo group, and prints the median
 and p90 of each step between two notes, the slowest rank's where both ranks note it:
 
-    client builds and sends | to the broker | broker: submit to dispatch | to the ranks |
-    rank: boundary and code check | rank: the task | rank: its report | rank: send |
-    to the broker | broker: reports to verdict | to the client, decoded | client returns
+    client builds the submit | to the broker | broker: submit to dispatch | to the ranks |
+    rank: boundary and code check | rank: the task | rank: its report | to the broker |
+    broker: reports to verdict | to the client, decoded | client returns
 
-The "to ..." steps are a hop (libzmq's I/O threads on both ends, the receiver's wake-up) plus
-the receiver's decoding of the frame. Run it in two checkouts, alternated, to compare code.
+The "to ..." steps are a hop (the sender's send call, libzmq's I/O threads on both ends, the
+receiver's wake-up) plus the receiver's decoding of the frame: every note of a send is taken
+before it, since the receiver may run first on a busy machine. Run it in two checkouts,
+alternated, to compare code.
 
 Usage: ``python tools/trace_dispatch.py [--tasks 1000] [--json out.json]``
 """
@@ -24,7 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,31 +34,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "tools"))
+
+from benchkit import cpu_broker  # noqa: E402
+
 from cpq import Client, tracepoints  # noqa: E402
-from cpq.client.autostart import broker_alive  # noqa: E402
 
 NOOP = "workers.collectives:noop"
 #: (step name, from note, to note); "*": the latest of the ranks' notes of that name.
 STEPS = [
-    ("client builds and sends", "client submits", "client sent"),
-    ("to the broker", "client sent", "broker reads the submit"),
-    ("broker: submit to dispatch", "broker reads the submit", "broker dispatched"),
-    ("to the ranks (the later)", "broker dispatched", "*rank has the task"),
-    (
-        "rank: boundary and code check",
-        "rank has the task",
-        "rank checked",
-    ),
-    (
-        "rank: the task (reset, capture, call)",
-        "rank checked",
-        "rank ran it",
-    ),
-    ("rank: its report", "rank ran it", "rank encoded its report"),
-    ("rank: send", "rank encoded its report", "rank sent its report"),
-    ("to the broker (the later report)", "*rank sent its report", "*broker reads a report"),
-    ("broker: reports to verdict", "*broker reads a report", "broker sent the verdict"),
-    ("to the client, decoded", "broker sent the verdict", "client decoded the verdict"),
+    ("client builds the submit", "client submits", "client sends"),
+    ("to the broker", "client sends", "broker reads the submit"),
+    ("broker: submit to dispatch", "broker reads the submit", "broker dispatches"),
+    ("to the ranks (the later)", "broker dispatches", "*rank has the task"),
+    ("rank: boundary and code check", "rank has the task", "rank checked"),
+    ("rank: the task (reset, capture, call)", "rank checked", "rank ran it"),
+    ("rank: its report", "rank ran it", "rank sends its report"),
+    ("to the broker (the later report)", "*rank sends its report", "*broker reads a report"),
+    ("broker: reports to verdict", "*broker reads a report", "broker sends the verdict"),
+    ("to the client, decoded", "broker sends the verdict", "client decoded the verdict"),
     ("client returns", "client decoded the verdict", "client returns"),
     ("round trip", "client submits", "client returns"),
 ]
@@ -105,17 +100,7 @@ def main() -> None:
     # the ranks see it as a start variable of the spec.
     os.environ.update(CPQ_TRACE_DIR=trace, CPQ_SPEC_ENV="CPQ_TRACE_DIR")
     tracepoints.DIR = trace
-    state = Path(tempfile.mkdtemp(prefix="cpq-trace-state-"))
-    endpoint = f"ipc://{state / 'broker.sock'}"
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint, "--gpus", "none"],
-        env=dict(os.environ, CPQ_STATE_DIR=str(state)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        while not broker_alive(endpoint):
-            time.sleep(0.01)
+    with cpu_broker("cpq-trace-state-") as (endpoint, _):
         with Client(endpoint, name="trace_dispatch") as client:
             first = client.submit(NOOP, 2, roots=[str(ROOT)]).task_id  # the group's start
             while any(p["state"] == "starting" for p in client.status()["pools"]):
@@ -124,10 +109,6 @@ def main() -> None:
             for _ in range(args.tasks):
                 assert client.submit(NOOP, 2, roots=[str(ROOT)]).outcome == "passed"
         tracepoints.flush()
-    finally:
-        broker.terminate()
-        broker.wait(timeout=30)
-        shutil.rmtree(state, ignore_errors=True)
     notes = read_notes(trace)
     shutil.rmtree(trace, ignore_errors=True)
     left_out = {first, *warm}

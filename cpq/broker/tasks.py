@@ -171,10 +171,10 @@ class Tasks:
         task.groups.append(group.id)
         run = run_message(task, group)
         frame = protocol.encode_for(run, group.rank_features or frozenset())
+        tracepoints.mark(task.submit.task_id, "broker dispatches")
         for rank in group.ranks.values():
             if not self.send_rank(rank.identity, frame):
                 return f"rank {rank.rank} is unreachable"
-        tracepoints.mark(task.submit.task_id, "broker dispatched")
         return ""
 
     def rank_done(self, group: Group, rank_no: int, message: protocol.RankDone) -> None:

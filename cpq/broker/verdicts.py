@@ -122,8 +122,8 @@ class Verdicts:
                 result.outcome = "error"
                 result.message = f"result could not be encoded (coverage dropped): {exc}"[:4000]
                 frame = protocol.encode_for(protocol.Done(result), features)
+            tracepoints.mark(task.submit.task_id, "broker sends the verdict")
             self.send_client(task.client, frame)
-            tracepoints.mark(task.submit.task_id, "broker sent the verdict")
         # After the send: the client waits for the verdict, not for the history's disk write.
         # A test whose deadline passed is FAILED in pytest (pytest-timeout's failure, or
         # cpq's error in the call phase): the timeline colours it as pytest reports it.

@@ -376,9 +376,9 @@ class Client:
             if "env-delta" in self.broker_features:
                 self._env_sent = task_env
             self._tasks[message.task_id] = future
+            tracepoints.mark(message.task_id, "client submits", began)
+            tracepoints.mark(message.task_id, "client sends")  # before: the reply may come first
             sent_now = self._socket.send(frame)
-        tracepoints.mark(message.task_id, "client submits", began)
-        tracepoints.mark(message.task_id, "client sent")
         if sent_now and not lead:  # nobody holds the socket to read the verdict
             self._socket.kicked.set()
         return future

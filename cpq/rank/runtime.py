@@ -571,10 +571,9 @@ def main() -> None:
             result.outcome, result.value = "failed", None
             frame = protocol.encode_for(done, features)
         profile.end()
-        tracepoints.mark(task.task_id, "rank encoded its report")
+        tracepoints.mark(task.task_id, "rank sends its report")
         link.take()
         link.send(frame)
-        tracepoints.mark(task.task_id, "rank sent its report")
         if task.debug and result.outcome == "failed":
             pdb_relay.serve(link, task.task_id)  # until the broker says: debug or let go
         if not items.in_session() and not stale and not done.unfit:  # a boundary comes next

@@ -28,7 +28,7 @@ def test_on_every_note_reaches_the_file_in_order(
     before = time.perf_counter()
     began = tracepoints.now()
     for i in range(250):  # past one batch of 200: written as it fills, the rest at flush
-        tracepoints.mark(f"t{i}", "client sent")
+        tracepoints.mark(f"t{i}", "client sends")
     tracepoints.mark("t0", "client submits", began)
     tracepoints.flush()
     lines = (tmp_path / f"{os.getpid()}.jsonl").read_text().splitlines()
