@@ -37,6 +37,7 @@ from cpq.records import StaleKind as StaleKind
 from cpq.records import TaskResult as TaskResult
 from cpq.wirecheck import ProtocolError as ProtocolError  # re-exported: part of the API
 from cpq.wirecheck import checker, hints
+from cpq.wirefast import encoder, record_checker
 
 PROTOCOL_VERSION = 1
 
@@ -501,7 +502,7 @@ def unpack(frame: bytes) -> Any:
 
 
 def encode(message: Message) -> bytes:
-    wire = _to_wire(message)
+    wire = encoder(type(message))(message)  # defaults left out (cpq.wirefast)
     wire["v"] = PROTOCOL_VERSION
     wire["k"] = message.KIND
     frame = pack(wire)
@@ -568,5 +569,11 @@ def decode(frame: bytes) -> Message:
 _T = TypeVar("_T")
 
 
+_RECORDS: dict[type, Callable[[Any, str], Any]] = {}
+
+
 def _from_wire(cls: type[_T], data: Any, where: str) -> _T:
-    return checker(cls)(data, where)  # type: ignore[no-any-return]
+    check = _RECORDS.get(cls)
+    if check is None:  # the exact checker, behind its compiled fast path (cpq.wirefast)
+        check = _RECORDS[cls] = record_checker(cls, checker(cls))
+    return check(data, where)  # type: ignore[no-any-return]

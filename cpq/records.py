@@ -46,13 +46,15 @@ class PoolSpec:
 
     def __post_init__(self) -> None:
         """Refuse a spec no process could be started with (it must not reach ``Popen``)."""
+        texts = [self.python, self.backend, *self.roots]
         for pair in self.env:
-            if len(pair) != 2 or not all(isinstance(part, str) for part in pair):
+            if len(pair) != 2 or not (isinstance(pair[0], str) and isinstance(pair[1], str)):
                 raise ValueError(f"env must hold [name, value] string pairs, got {pair!r}")
             if not pair[0] or "=" in pair[0]:
                 raise ValueError(f"env name {pair[0]!r} is not a valid variable name")
-        texts = [self.python, self.backend, *self.roots, *(part for p in self.env for part in p)]
-        if any(isinstance(text, str) and "\x00" in text for text in texts):
+            texts += pair
+        # one scan of the strings (each task's spec is checked on the broker's hot path)
+        if "\x00" in "".join(t for t in texts if isinstance(t, str)):
             raise ValueError("the pool spec (python, roots or env) contains a NUL byte")
 
     def key(self) -> tuple[Any, ...]:

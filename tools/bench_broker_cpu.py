@@ -52,7 +52,7 @@ def one_run(tasks: int, spares: int, tick_every: int) -> float:
     sim = Sim(spares=spares)
     sim.wire = CountingWire()
     sim.broker = type(sim.broker)(sim.config, sim.wire, sim.clock, sim._make_process)
-    client = sim.client()
+    client = sim.client(features=sorted(protocol.ALL_FEATURES))  # as a real client says
     first = sim.submit(client)
     group = next(iter(sim.broker.pools.groups))
     sim.bring_up(group)

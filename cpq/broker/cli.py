@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cpq import osutil, paths
+from cpq import osutil, paths, spin
 from cpq.broker.logfile import LogFileHandler
 from cpq.protocol import PoolSpec
 from cpq.specs import default_roots, make_spec
@@ -211,6 +211,11 @@ def _run_broker(args: argparse.Namespace) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         handlers=handlers,
     )
+    try:
+        spin.default_window_s()  # a bad CPQ_SPIN_US: said here, before any socket
+    except ValueError as exc:
+        print(f"cpq-broker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.max_ranks < 1:
         print("cpq-broker: --max-ranks must be at least 1", file=sys.stderr)
         return EXIT_USAGE

@@ -335,9 +335,11 @@ class Broker:
         return bool(request.stop_reason) or self.placer.after_release(request.group)
 
     def schedule(self) -> None:
-        """What placement decides: queued tasks onto groups, groups started and stopped."""
+        """What placement decides: queued tasks onto groups, groups started and stopped.
+        A lone task whose group is plain goes first (:meth:`Placer.express`)."""
         if self.stopping:
             return
+        self.placer.express(closing=self.draining)
         self.placer.place(closing=self.draining)
 
     # ---- time

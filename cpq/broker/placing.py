@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from cpq.broker.model import Group, Task, session_of
-from cpq.broker.placement import recycling
+from cpq.broker.placement import express, recycling
 from cpq.broker.placement.decisions import Decision, Run, Start, Stop, WantGpus, Yield
 from cpq.broker.placement.steps import Placement, Steps
 from cpq.broker.placement.view import Bounds, Queued, QueueView, Snapshot
@@ -97,6 +97,37 @@ class Placer:
         if not any(g.reserved_for for g in self.pools.groups.values()):
             return None
         return frozenset(t.key for t in self.tasks.queues if t.submit.fresh_group)
+
+    def express(self, closing: bool) -> bool:
+        """Send the one queued task to its group now, when the answer is plain
+        (:mod:`cpq.broker.placement.express`); True when it went. The whole placement runs
+        after it either way: what it decides besides (spares, growth) is off the task's path."""
+        queues, pools = self.tasks.queues, self.pools
+        if closing or self.requests.warm or len(queues) != 1:
+            return False
+        if pools.sharing is not None and pools.sharing.foreign:
+            return False
+        task = next(iter(queues))
+        submit = task.submit
+        if submit.fresh_group or submit.own_groups or task.stale_bounces:
+            return False
+        spec, idle, busy_cpu = task.spec, [], 0
+        for group in pools.groups.values():
+            if group.reserved_for:
+                return False
+            cpu = not pools.room.uses_gpus(group.spec)
+            if group.state == "busy" and cpu:
+                busy_cpu += group.spec.world_size
+            elif group.state == "idle" and group.spec == spec:
+                idle.append(pools.view_of(group))
+        cores_left = None if pools.room.uses_gpus(spec) else pools.room.max_ranks - busy_cpu
+        preferred = pools.history.group_for(spec, submit.affinity)
+        now = pools.clock.monotonic()
+        chosen = express.pick(idle, preferred, session_of(task), now, self._bounds(), cores_left)
+        if chosen is None:
+            return False
+        self.carry_out([Run(spec, task.key, chosen.id)])
+        return True
 
     def place(self, closing: bool) -> None:
         """Decide and carry out until a placement's decisions all took effect."""

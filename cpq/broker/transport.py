@@ -30,6 +30,7 @@ import zmq
 
 from cpq import __version__, lockfile, protocol, security
 from cpq.broker.config import BrokerConfig
+from cpq.spin import Spinner
 
 log = logging.getLogger("cpq.broker")
 
@@ -63,6 +64,7 @@ class Transport:
         self.frontend: zmq.Socket[Any] | None = None
         self.backend: zmq.Socket[Any] | None = None
         self._poller = zmq.Poller()
+        self._spinner = Spinner()  # spin, then block (cpq.spin)
 
     # ---- binding
 
@@ -80,12 +82,14 @@ class Transport:
         self._poller.register(self.backend, zmq.POLLIN)
         lockfile.mark_serving(self._lock_file)  # spawn_broker returns on this line
         log.info(
-            "cpq-broker %s pid %d serving %s (GPUs: %s, max CPU ranks: %d)",
+            "cpq-broker %s pid %d serving %s (GPUs: %s, max CPU ranks: %d; spinning %d us "
+            "after a message, cpq.spin)",
             __version__,
             os.getpid(),
             self.config.endpoint,
             ",".join(self.config.gpus) or "none",
             self.config.max_ranks,
+            round(self._spinner.window_s * 1e6),
         )
 
     def _remove_stale_backend_sockets(self) -> None:
@@ -129,7 +133,7 @@ class Transport:
 
     def poll(self, timeout_s: float) -> tuple[bool, bool]:
         """Wait up to ``timeout_s``; returns (clients have sent, ranks have sent)."""
-        events = dict(self._poller.poll(timeout=int(timeout_s * 1000)))
+        events = dict(self._spinner.poll(self._poller, int(timeout_s * 1000)))
         return self.frontend in events, self.backend in events
 
     def recv_client(self) -> list[bytes] | None:

@@ -320,12 +320,13 @@ class Client:
         task's "still waiting" notices go, however it ends."""
         task_id: str = future.task_id  # type: ignore[attr-defined]
         sock = self._socket
+        sock.spinner.note()  # its answer may come soon: the first moment spins (cpq.spin)
         try:
             while not future.done():
                 if sock.take(timeout_s=0.05):
                     try:
                         while not future.done() and not (on_wait and self._waiting.get(task_id)):
-                            sock.pump(int(min(250, self.heartbeat_s * 500)))
+                            sock.pump(int(min(250, self.heartbeat_s * 500)), spin=True)
                     finally:
                         sock.release()
                         if self._tasks or self._control:  # others' futures: the background reads

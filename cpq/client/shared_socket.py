@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from cpq import protocol
+from cpq.spin import Spinner
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -74,6 +75,8 @@ class SharedSocket:
         self.poller = zmq.Poller()
         self.poller.register(self.dealer, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        #: A caller's wait for its answer spins a moment first (cpq.spin).
+        self.spinner = Spinner()
         self.last_heard = self.last_sent = time.monotonic()
         self._heartbeat = protocol.encode(protocol.Heartbeat())
 
@@ -135,10 +138,14 @@ class SharedSocket:
             self.outbox.popleft()
             self.last_sent = time.monotonic()
 
-    def pump(self, timeout_ms: int) -> None:
-        """Poll once: send the outbox, hand the broker's frames to ``on_frame``, heartbeat
-        when due, report a silent broker."""
-        events = dict(self.poller.poll(timeout=timeout_ms))
+    def pump(self, timeout_ms: int, spin: bool = False) -> None:
+        """Poll once (``spin``: through :attr:`spinner`, for a caller waiting for its
+        answer): send the outbox, hand the broker's frames to ``on_frame``, heartbeat when
+        due, report a silent broker."""
+        if spin:
+            events = dict(self.spinner.poll(self.poller, timeout_ms))
+        else:
+            events = dict(self.poller.poll(timeout=timeout_ms))
         if self._wake_r in events:
             with contextlib.suppress(BlockingIOError):
                 while os.read(self._wake_r, 64):

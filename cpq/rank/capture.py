@@ -17,7 +17,9 @@ from typing import IO
 
 
 def _bounded_read(handle: IO[bytes], limit: int) -> str:
-    size = handle.seek(0, os.SEEK_END)
+    size = handle.seek(0, os.SEEK_END)  # and the offset stays at the end: see __enter__
+    if not size:  # most tasks write nothing: one call
+        return ""
     handle.seek(0)
     if size <= limit:
         data = handle.read()
@@ -62,8 +64,9 @@ class FdCapture:
         self.stdout = self.stderr = ""
         _flush_python_streams()
         for fd, spool in zip((1, 2), self._spools, strict=True):
-            spool.seek(0)
-            spool.truncate()
+            if spool.tell():  # the end of what the last task wrote (most write nothing)
+                spool.seek(0)
+                spool.truncate()
             saved = os.dup(fd)
             os.dup2(spool.fileno(), fd)
             self._saved.append((fd, saved, spool))

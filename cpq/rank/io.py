@@ -33,6 +33,7 @@ import zmq
 
 from cpq import protocol, tracepoints
 from cpq.rank import cancel, items
+from cpq.spin import Spinner
 
 log = logging.getLogger("cpq.rank")
 
@@ -92,6 +93,8 @@ class Link:
         self.poller = zmq.Poller()
         self.poller.register(self.dealer, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        #: The main thread's wait for its next task spins a moment first (cpq.spin).
+        self.spinner = Spinner()
         self.main_thread_id = threading.main_thread().ident
         self.tasks: deque[protocol.RunTask] = deque()  # arrived while the watchdog held it
         #: The post-mortem relay's frames (``cpq.rank.pdb_relay``), in order of arrival.
@@ -136,11 +139,14 @@ class Link:
         self.lock.release()
 
     def next_task(self) -> protocol.RunTask | None:
-        """Wait for the broker's next task while holding the socket; ``None``: shut down."""
+        """Wait for the broker's next task while holding the socket; ``None``: shut down.
+        Called just after a report: the next task is likely to come soon, so the first
+        moment of the wait spins (:mod:`cpq.spin`)."""
+        self.spinner.note()
         while not self.tasks:
             if self.shutting_down:
                 return None
-            self.pump(int(self.config.heartbeat_s * 500))
+            self.pump(int(self.config.heartbeat_s * 500), spin=True)
             if self.on_idle is not None and not self.tasks:
                 self.on_idle()
         return self.tasks.popleft()
@@ -176,10 +182,14 @@ class Link:
         self.dealer.send(frame)
         self.last_sent = time.monotonic()
 
-    def pump(self, timeout_ms: int) -> bool:
-        """Poll once: handle what the broker sent, heartbeat when due, give up on a silent
-        broker. Returns True when the wake-up pipe was written (the other thread wants in)."""
-        events = dict(self.poller.poll(timeout=timeout_ms))
+    def pump(self, timeout_ms: int, spin: bool = False) -> bool:
+        """Poll once (``spin``: through :attr:`spinner`; the main thread's only): handle
+        what the broker sent, heartbeat when due, give up on a silent broker. Returns True
+        when the wake-up pipe was written (the other thread wants in)."""
+        if spin:
+            events = dict(self.spinner.poll(self.poller, timeout_ms))
+        else:
+            events = dict(self.poller.poll(timeout=timeout_ms))
         now = time.monotonic()
         woken = self._wake_r in events
         if woken:

@@ -491,7 +491,11 @@ def main() -> None:
     watch.scan(started_ns)
     link.take()
     link.send(protocol.encode_for(ready, features))
-    log.info("ready after %.2fs", ready.startup_s)
+    log.info(
+        "ready after %.2fs (spinning %d us after a report, cpq.spin)",
+        ready.startup_s,
+        round(link.spinner.window_s * 1e6),
+    )
     baseline = Baseline.capture()
     carried = carryover.Carryover.capture()
     boundary.mark_ready()  # the modules every later session and launch starts from
@@ -517,7 +521,7 @@ def main() -> None:
         continuing = items.continues(task)
         state = "" if continuing else _cross_boundary(task, carried)
         carried.restored = False  # the task runs: it may set any switch
-        stale = state or (watch.changed() if check_code and not continuing else "")
+        stale = state or (watch.changed(ahead=True) if check_code and not continuing else "")
         tracepoints.mark(task.task_id, "rank checked")
         stale_kind: protocol.StaleKind = "code" if stale else ""
         if state and "state-refusal" in features:
@@ -583,6 +587,8 @@ def main() -> None:
             ahead.warm(task_waits=lambda: bool(link.tasks))
             link.take()
             carried.restored = False
+        if check_code and not items.in_session():  # the next task is checked: check now
+            watch.check_ahead()
     log.info("shutting down")
     hard_exit(0)
 

@@ -19,6 +19,8 @@ SHARED = {
     "cpq.tracepoints",  # CPQ_TRACE_DIR: every process on a task's path notes its steps
     "cpq.environ",
     "cpq.wirecheck",
+    "cpq.wirefast",  # the decoder's and encoder's compiled fast paths
+    "cpq.spin",  # spin, then block: the broker's, a rank's and a client's waits
     "cpq.features",
     "cpq.specs",
     "cpq.records",

@@ -208,8 +208,8 @@ def test_a_failing_spare_is_not_restarted_in_a_loop() -> None:
     sim = Sim(spares=1, start_timeout_s=5.0)
     sim.client()
     task = sim.submit()
+    sim.fail_next_start = True  # the spare starts once the spec's first task is out
     sim.bring_up("g1")
-    sim.fail_next_start = True
     sim.tick(0.05)  # the spare could not start (no such interpreter)
     assert "g2" in sim.processes and sim.states().get("g2") in (None, "stopping")
     sim.tick(5.0)
