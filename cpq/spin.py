@@ -56,7 +56,9 @@ def default_window_s(environ: dict[str, str] | os._Environ[str] = os.environ) ->
 
 class Spinner:
     """Polls ``poller`` without a timeout until :attr:`window_s` after the last activity
-    (a poll that found messages, or :meth:`note` after a send), then blocks as asked."""
+    (:meth:`note`), then blocks as asked. Only its owner says what activity is: a message
+    that does not start or end a task (a heartbeat, every second from every peer) must
+    not keep a process spinning."""
 
     def __init__(
         self, window_s: float | None = None, clock: Callable[[], float] = time.perf_counter
@@ -66,7 +68,7 @@ class Spinner:
         self.last = -float("inf")
 
     def note(self) -> None:
-        """Activity now (this process sent something it expects an answer to)."""
+        """Activity now: the next message is likely to come soon."""
         self.last = self.clock()
 
     def poll(self, poller: Poller, timeout_ms: int) -> list[tuple[Any, int]]:
@@ -80,14 +82,10 @@ class Spinner:
                 while True:
                     events = list(poller.poll(0))
                     if events:
-                        self.last = self.clock()
                         return events
                     after = self.clock()
                     if after >= until:
                         break
                 if timeout_ms > 0:
                     timeout_ms = max(0, timeout_ms - int((after - now) * 1000))
-        events = list(poller.poll(timeout_ms))
-        if events:
-            self.last = self.clock()
-        return events
+        return list(poller.poll(timeout_ms))

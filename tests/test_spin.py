@@ -1,8 +1,8 @@
 """Spinning (``cpq.spin``) on a real broker and a real ws=2 gloo group: the broker, both
 ranks and the client spin between messages, and the verdicts are those of the same tasks
 without spinning. On CI's two cores spinning is off by default, so this turns it on
-(``CPQ_SPIN_US``, for the ranks a start variable); and a bad value is refused with a clear
-error before the broker binds anything."""
+(``CPQ_SPIN_US`` in the broker's environment, which its ranks get, and in the client's);
+and a bad value is refused with a clear error before the broker binds anything."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ TASKS: list[tuple[str, dict[str, Any]]] = [
 
 
 def verdicts(state: Path, spin_us: str, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    monkeypatch.setenv("CPQ_SPIN_US", spin_us)
-    monkeypatch.setenv("CPQ_SPEC_ENV", "CPQ_SPIN_US")  # the ranks get it as they start
+    monkeypatch.setenv("CPQ_SPIN_US", spin_us)  # the broker's is its ranks' too
     broker, endpoint = start_broker(state)
     try:
         with Client(endpoint, name="spin") as client:

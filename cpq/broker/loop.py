@@ -53,6 +53,10 @@ NOTHING_TO_PLACE = (
     protocol.RankDone,
     protocol.DebugOutput,
 )
+#: Messages after which the next one is likely to come within a moment (the ranks' reports
+#: after a dispatch, the next submit after a verdict): the loop spins a moment before it
+#: blocks (:mod:`cpq.spin`). Not heartbeats: every peer sends one a second.
+TASK_TRAFFIC = (protocol.Submit, protocol.RankDone, protocol.RankReady)
 #: Messages handled from one socket before the other gets its turn.
 DRAIN_BUDGET = 1000
 
@@ -81,6 +85,8 @@ class Wire(Protocol):
     def flush_outbox(self) -> None: ...
 
     def send_heartbeats(self, clients: list[bytes], ranks: list[bytes]) -> None: ...
+
+    def note_activity(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -287,6 +293,8 @@ class Broker:
         changes nothing it reads (see :data:`NOTHING_TO_PLACE`)."""
         if not isinstance(message, NOTHING_TO_PLACE):
             self._to_place = True
+        if isinstance(message, TASK_TRAFFIC):  # the next one is likely soon: spin a moment
+            self.transport.note_activity()
         self.settle()
 
     def settle(self) -> None:

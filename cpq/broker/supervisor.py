@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from cpq import environ, protocol
+from cpq import environ, protocol, spin
 
 log = logging.getLogger("cpq.supervisor")
 
@@ -72,6 +72,8 @@ class GroupProcess:
         the task's pinned ones) on a minimal base; nothing else of the broker's own
         environment reaches a group (docs/design.md, "Fidelity: environment")."""
         env = environ.process_base()
+        if os.environ.get(spin.SPIN_ENV):  # the broker's spinning is its ranks' (cpq.spin)
+            env[spin.SPIN_ENV] = os.environ[spin.SPIN_ENV]
         env.update(dict(self.spec.env))
         env.pop(environ.GPU_VAR, None)  # the caller's value narrowed the GPUs; ours are below
         env.update(protocol.MULTICAST_OFF_ENV)  # never multicast, whatever the caller says

@@ -136,6 +136,10 @@ class Transport:
         events = dict(self._spinner.poll(self._poller, int(timeout_s * 1000)))
         return self.frontend in events, self.backend in events
 
+    def note_activity(self) -> None:
+        """Task traffic now: the next poll spins a moment before it blocks (cpq.spin)."""
+        self._spinner.note()
+
     def recv_client(self) -> list[bytes] | None:
         """One waiting client message as ``[identity, *payload frames]``; None if none."""
         return _recv(self.frontend)

@@ -42,9 +42,13 @@ class FakeWire:
         self.inbox_ranks: deque[list[bytes]] = deque()
         self.when_idle: Callable[[], None] = lambda: None
         self.bound = self.closed = False
+        self.activity = 0  # task traffic the loop noted (cpq.spin)
 
     def bind(self) -> None:
         self.bound = True
+
+    def note_activity(self) -> None:
+        self.activity += 1
 
     def poll(self, timeout_s: float) -> tuple[bool, bool]:
         if not self.inbox_clients and not self.inbox_ranks:

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from cpq import spin
+from cpq import protocol, spin
+
+from .fakes import Sim
 
 
 class Clock:
@@ -53,7 +55,7 @@ def test_after_activity_it_spins_until_a_message_comes() -> None:
     poller = Poller(clock, events_after=5)
     assert spinner.poll(poller, 250) == [("socket", 1)]
     assert poller.calls == [0] * 5
-    assert spinner.last == clock.now  # a message is activity: the next wait spins too
+    assert spinner.last == 100.0  # its owner says what activity is (not every message)
 
 
 def test_a_quiet_window_ends_in_the_blocking_poll_with_the_time_left() -> None:
@@ -100,3 +102,17 @@ def test_the_window_comes_from_the_variable_else_the_cores(monkeypatch: pytest.M
 def test_a_bad_window_is_an_error_that_names_the_variable(bad: str) -> None:
     with pytest.raises(ValueError, match="CPQ_SPIN_US"):
         spin.default_window_s({"CPQ_SPIN_US": bad})
+
+
+def test_the_broker_spins_after_task_traffic_never_after_a_heartbeat() -> None:
+    sim = Sim(spares=0)
+    client = sim.client()
+    sim.client_send(client, protocol.Heartbeat())
+    assert sim.wire.activity == 0  # a peer's heartbeat, every second: no spinning
+    task = sim.submit()
+    assert sim.wire.activity == 1
+    sim.bring_up("g1")  # each rank's ready: the task goes out, its reports come soon
+    noted = sim.wire.activity
+    assert noted > 1
+    sim.finish_all("g1", task)
+    assert sim.wire.activity == noted + 2  # each rank's report
