@@ -10,10 +10,11 @@ one soon (the broker's next submit, a rank's next task), so for a short window a
 last activity it polls without a timeout instead, and blocks only when the window passes
 quietly. Idle processes never spin; a busy one costs at most the window's CPU per message.
 
-It spins only where cores are plenty (:data:`MIN_CORES` usable by this process): on a small
-machine (CI's 2 cores) a spinning process would take the core the process it waits for
-needs. ``CPQ_SPIN_US`` sets the window in microseconds for every cpq process (0: never
-spin), whatever the cores.
+It spins only where cores are plenty (:data:`MIN_CORES` usable by this process, its
+cgroup's CPU quota included): on a small machine (CI's 2 cores) a spinning process would
+take the core the process it waits for needs. ``CPQ_SPIN_US`` sets the window in
+microseconds (0: never spin), whatever the cores: in the broker's environment for the
+broker and the ranks it starts, in a caller's for that caller.
 """
 
 from __future__ import annotations
@@ -47,11 +48,38 @@ def default_window_s(environ: dict[str, str] | os._Environ[str] = os.environ) ->
         if window_us < 0:
             raise ValueError(f"{SPIN_ENV}={given!r}: expected microseconds (0: no spin)")
         return window_us / 1e6
+    return DEFAULT_WINDOW_S if usable_cores() >= MIN_CORES else 0.0
+
+
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> float:
+    """The cores this process may use: its CPU affinity, bounded by its cgroup's CPU quota
+    (a container limited to two cores on a big host sees all of the host's in its
+    affinity; spinning there would spend the quota and throttle the container)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        cores: float = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
-    return DEFAULT_WINDOW_S if cores >= MIN_CORES else 0.0
+    quota = _cgroup_quota(cgroup)
+    return min(cores, quota) if quota is not None else cores
+
+
+def _cgroup_quota(cgroup: str) -> float | None:
+    """The cgroup's CPU quota in cores (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``); None when unlimited or unreadable."""
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as handle:
+            quota, period = handle.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as handle:
+            quota_us = int(handle.read())
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as handle:
+            period_us = int(handle.read())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 class Spinner:

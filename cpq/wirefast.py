@@ -15,7 +15,7 @@ construction; the fast path can only be slower than it might, never more lenient
 
 Encoding (:func:`encoder`) leaves out every field that holds its default, of exactly the
 default's type: the receiver's checker fills them in again, as it always has for a field a
-peer did not send. A no-op's verdict for two ranks is then a quarter of its full size, which
+peer did not send. A no-op's verdict for two ranks is then a fifth of its full size, which
 is what msgpack packs and unpacks and the checker walks on each of the path's four hops.
 """
 
@@ -178,11 +178,11 @@ def _compile_encoder(cls: type) -> Callable[[Any], dict[str, Any]]:
                 f"        out[{name!r}] = {converted}",
             ]
         elif field.default_factory is not dataclasses.MISSING:
-            empty = field.default_factory()
-            scope[f"t{number}"] = type(empty)
+            made = field.default_factory()
+            scope[f"d{number}"], scope[f"t{number}"] = made, type(made)
             lines += [
                 f"    v = {value}",
-                f"    if type(v) is not t{number} or v:",  # an empty list or map stays home
+                f"    if type(v) is not t{number} or v != d{number}:",  # [] and {} stay home
                 f"        out[{name!r}] = {converted}",
             ]
         else:

@@ -347,7 +347,8 @@ class Broker:
         A lone task whose group is plain goes first (:meth:`Placer.express`)."""
         if self.stopping:
             return
-        self.placer.express(closing=self.draining)
+        if self.placer.express(closing=self.draining) and self.pools.failures:
+            return  # its group was unreachable: settle() carries that out, then places
         self.placer.place(closing=self.draining)
 
     # ---- time

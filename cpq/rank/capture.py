@@ -17,7 +17,7 @@ from typing import IO
 
 
 def _bounded_read(handle: IO[bytes], limit: int) -> str:
-    size = handle.seek(0, os.SEEK_END)  # and the offset stays at the end: see __enter__
+    size = handle.seek(0, os.SEEK_END)
     if not size:  # most tasks write nothing: one call
         return ""
     handle.seek(0)
@@ -64,7 +64,9 @@ class FdCapture:
         self.stdout = self.stderr = ""
         _flush_python_streams()
         for fd, spool in zip((1, 2), self._spools, strict=True):
-            if spool.tell():  # the end of what the last task wrote (most write nothing)
+            # Its size, not its offset: a process the last task left behind may have
+            # written since, through a description of its own. Most tasks write nothing.
+            if os.fstat(spool.fileno()).st_size:
                 spool.seek(0)
                 spool.truncate()
             saved = os.dup(fd)

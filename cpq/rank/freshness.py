@@ -58,8 +58,6 @@ log = logging.getLogger("cpq.rank")
 #: have changed during the import; file times come from a coarse kernel clock.
 MTIME_SLACK_NS = 50_000_000
 _UNKNOWN = (-1, -1)
-#: How long a check made between tasks stands for the next task's (:meth:`CodeWatch.check_ahead`).
-AHEAD_VALID_S = 0.01
 
 #: Test modules pytest imported in this rank (cpq.rank.items): an edit needs no fresh group.
 reexecuted: set[str] = set()
@@ -135,7 +133,6 @@ class CodeWatch:
         self._seen: set[str] = set()
         self._modules_len = -1
         self._said = False
-        self._ahead: tuple[str, float, int] | None = None
 
     def scan(self, since_ns: int) -> None:
         """Take note of modules imported since the last scan, which began at ``since_ns``
@@ -179,24 +176,8 @@ class CodeWatch:
             if path and path not in loaded:
                 self.files.pop(os.path.realpath(path), None)
 
-    def check_ahead(self) -> None:
-        """Check now, between tasks, for the next task: :meth:`changed` with ``ahead``
-        then answers from this check when nothing was found, nothing was imported since,
-        and it is at most :data:`AHEAD_VALID_S` old; its ``stat`` calls are off the next
-        task's path. As faithful as checking on arrival: file times are coarser than that
-        (:data:`MTIME_SLACK_NS`), and an edit that lands between the two is one that
-        landed just after the check either way."""
-        self._ahead = (self.changed(), time.monotonic(), len(sys.modules))
-
-    def changed(self, ahead: bool = False) -> str:
-        """The first watched file that changed since it was loaded ("" when none did);
-        ``ahead``: the answer of a recent :meth:`check_ahead` may stand for it."""
-        if ahead and self._ahead is not None:
-            found, at, modules = self._ahead
-            self._ahead = None
-            fresh = time.monotonic() - at < AHEAD_VALID_S and modules == len(sys.modules)
-            if fresh and not found:
-                return ""
+    def changed(self) -> str:
+        """The first watched file that changed since it was loaded ("" when none did)."""
         for path, stamp in self.files.items():
             if file_stamp(path) != stamp:
                 return path

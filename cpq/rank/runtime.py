@@ -521,7 +521,7 @@ def main() -> None:
         continuing = items.continues(task)
         state = "" if continuing else _cross_boundary(task, carried)
         carried.restored = False  # the task runs: it may set any switch
-        stale = state or (watch.changed(ahead=True) if check_code and not continuing else "")
+        stale = state or (watch.changed() if check_code and not continuing else "")
         tracepoints.mark(task.task_id, "rank checked")
         stale_kind: protocol.StaleKind = "code" if stale else ""
         if state and "state-refusal" in features:
@@ -587,8 +587,6 @@ def main() -> None:
             ahead.warm(task_waits=lambda: bool(link.tasks))
             link.take()
             carried.restored = False
-        if check_code and not items.in_session():  # the next task is checked: check now
-            watch.check_ahead()
     log.info("shutting down")
     hard_exit(0)
 

@@ -9,6 +9,10 @@ a submit to a warm group is dispatched before the placement that follows it runs
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,3 +133,46 @@ def test_a_submit_to_a_warm_group_goes_out_before_the_placement_after_it() -> No
     assert order[:3] == ["dispatch", "dispatch", "placement"], order
     sim.finish_all("g1", task)
     assert sim.done()[task].outcome == "passed"
+
+
+def queued_beside_a_warm_group(**fields: Any) -> Sim:
+    """A broker with g1 warm and idle, and one task queued that no placement saw yet."""
+    sim = Sim(spares=0)
+    sim.client()
+    first = sim.submit()
+    sim.bring_up("g1")
+    sim.finish_all("g1", first)
+    schedule = sim.broker.schedule
+    sim.broker.schedule = lambda: None  # type: ignore[method-assign]
+    sim.submit(**fields)
+    sim.broker.schedule = schedule  # type: ignore[method-assign]
+    assert len(sim.broker.tasks.queues) == 1 and sim.broker.pools.groups["g1"].task is None
+    return sim
+
+
+def test_the_plain_case_goes_first() -> None:
+    sim = queued_beside_a_warm_group()
+    assert sim.broker.placer.express(closing=False)
+    assert sim.broker.pools.groups["g1"].task is not None
+
+
+@pytest.mark.parametrize(
+    "guard",
+    ["closing", "warm request", "another task", "reserved group", "foreign want", "own groups",
+     "bounced task"],
+)  # fmt: skip
+def test_what_is_not_plain_goes_to_the_whole_placement(guard: str) -> None:
+    sim = queued_beside_a_warm_group(own_groups=guard == "own groups")
+    broker = sim.broker
+    if guard == "warm request":
+        broker.placer.requests.warm.append((spec(), 1))
+    elif guard == "another task":
+        broker.tasks.queues.push(next(iter(broker.tasks.queues)))
+    elif guard == "reserved group":
+        broker.pools.groups["g1"].reserved_for = "some task"
+    elif guard == "foreign want":
+        broker.pools.sharing = SimpleNamespace(foreign=[object()])  # type: ignore[assignment]
+    elif guard == "bounced task":
+        next(iter(broker.tasks.queues)).stale_bounces = 1
+    assert not broker.placer.express(closing=guard == "closing")
+    assert broker.pools.groups["g1"].task is None

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 from pathlib import Path
 
 import pytest
@@ -385,55 +384,6 @@ def test_the_code_watch_sees_edits_new_packages_and_files_changed_while_loading(
     fresh = freshness.CodeWatch()
     fresh.scan(old)  # the scan's window began before the file's last change
     assert fresh.files[str(module)] == (-1, -1) and fresh.changed() == str(module)
-
-
-def test_a_check_between_tasks_stands_for_the_next_only_while_recent_and_clean(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A rank checks its code after its report (off the next task's path); the next task
-    takes that answer only when it found nothing, is at most AHEAD_VALID_S old, and
-    nothing was imported since; it is used once."""
-    monkeypatch.setattr(freshness, "_library_dirs", lambda: ([], []))
-    module = tmp_path / "cpq_ahead_probe.py"
-    module.write_text("X = 1\n")
-    old = time.time_ns() - 10**9
-    os.utime(module, ns=(old, old))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    watch = freshness.CodeWatch()
-    import cpq_ahead_probe  # noqa: F401
-
-    try:
-        check_ahead_of_tasks(watch, module, old, monkeypatch)
-    finally:
-        sys.modules.pop("cpq_ahead_probe", None)  # an edited module: no later watch sees it
-
-
-def check_ahead_of_tasks(
-    watch: freshness.CodeWatch, module: Path, old: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    watch.scan(time.time_ns())
-    now = [50.0]
-    monkeypatch.setattr(freshness.time, "monotonic", lambda: now[0])
-    watch.check_ahead()
-    module.write_text("X = 22\n")  # within the window: the same as just after the check
-    assert watch.changed(ahead=True) == ""
-    assert watch.changed(ahead=True) == str(module)  # used once: the next one looks
-    watch.check_ahead()  # finds the edit: never stands for a clean answer
-    assert watch.changed(ahead=True) == str(module)
-    module.write_text("X = 1\n")
-    os.utime(module, ns=(old, old))
-    assert watch.changed() == ""  # as loaded again
-    watch.check_ahead()
-    now[0] += freshness.AHEAD_VALID_S * 1.5
-    module.write_text("X = 333\n")
-    assert watch.changed(ahead=True) == str(module)  # too old: looked again
-    module.write_text("X = 1\n")
-    os.utime(module, ns=(old, old))
-    assert watch.changed() == ""  # as loaded again
-    watch.check_ahead()
-    monkeypatch.setitem(sys.modules, "cpq_ahead_other", types.ModuleType("cpq_ahead_other"))
-    module.write_text("X = 4444\n")
-    assert watch.changed(ahead=True) == str(module)  # something was imported since
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ the window comes from ``CPQ_SPIN_US`` or the cores, and a bad value is an error.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,10 +93,40 @@ def test_no_window_never_spins() -> None:
 def test_the_window_comes_from_the_variable_else_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert spin.default_window_s({"CPQ_SPIN_US": "500"}) == 0.0005
     assert spin.default_window_s({"CPQ_SPIN_US": "0"}) == 0.0
-    monkeypatch.setattr(spin.os, "sched_getaffinity", lambda pid: set(range(2)))
+    monkeypatch.setattr(spin, "usable_cores", lambda: 2)
     assert spin.default_window_s({}) == 0.0  # CI's two cores: a spinner takes a needed core
-    monkeypatch.setattr(spin.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(spin, "usable_cores", lambda: 16)
     assert spin.default_window_s({}) == spin.DEFAULT_WINDOW_S
+
+
+def test_a_cgroup_quota_bounds_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container limited to two cores on a 64-core host must not spin (its affinity
+    still lists all 64)."""
+    monkeypatch.setattr(spin.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert spin.usable_cores(str(tmp_path)) == 64  # no cgroup files: the affinity
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert spin.usable_cores(str(tmp_path)) == 64
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    assert spin.usable_cores(str(tmp_path)) == 2.0
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert spin.usable_cores(str(tmp_path)) == 4.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert spin.usable_cores(str(tmp_path)) == 64
+
+
+def test_a_wait_without_a_timeout_or_forever_is_bounded_right() -> None:
+    clock = Clock()
+    spinner = spin.Spinner(0.002, clock)
+    spinner.note()
+    poller = Poller(clock, events_after=None, step=0.0005)
+    spinner.poll(poller, 0)
+    assert poller.calls == [0]  # asked not to wait: one look, no spin
+    poller.calls.clear()
+    spinner.poll(poller, -1)
+    assert poller.calls == [0, 0, 0, -1]  # the window's rest (one look took 0.5 ms), then for ever
 
 
 @pytest.mark.parametrize("bad", ["fast", "-1", "1.5"])

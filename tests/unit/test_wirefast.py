@@ -121,3 +121,41 @@ def test_a_value_of_another_type_than_its_default_is_sent() -> None:
     assert wire_map(protocol.RankDone(task_id="t1", result=result))["result"]["duration_s"] == 0
     unset = protocol.RankDone(task_id="t1", result=RankResult(rank=0, outcome="failed"))
     assert "duration_s" not in wire_map(unset)["result"]
+
+
+WRONG = [None, True, 0, 1, 1.5, "x", "passed", b"x", [], ["x"], [1], [True], [["a", "b"]],
+         [["a", 1]], [["a"]], [{}], {}, {"a": 1}, {"a": "b"}, {"a": None}]  # fmt: skip
+
+
+def field_paths(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every field of a wire map, and of the records inside it (maps, lists of maps)."""
+    paths = []
+    for name, value in data.items():
+        paths.append((*prefix, name))
+        if isinstance(value, dict) and name not in ("kwargs", "env", "rng", "coverage"):
+            paths += field_paths(value, (*prefix, name))
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            paths += field_paths(value[0], (*prefix, name, "0"))
+    return paths
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.KIND)
+def test_every_field_set_to_every_wrong_value_decodes_as_the_exact_checker_says(
+    kind: type,
+) -> None:
+    """A table, not a sample: each field (nested ones too) of a full message of ``kind``
+    set to each of a fixed list of values of other types and shapes (a bool for an int, an
+    unknown outcome, a map of non-strings for variables, a malformed [name, value] pair)."""
+    message = example(kind)
+    if kind is protocol.RankDone:  # a result with an error and a report: more nested fields
+        message.result = RankResult(rank=0, outcome="failed", error=protocol.RankError("E", "m"))
+    base = full_map(message)
+    for path in field_paths(base):
+        for wrong in WRONG:
+            data = protocol.unpack(protocol.pack(base))
+            target = data
+            for step in path[:-1]:
+                target = target[int(step)] if step.isdigit() else target[step]
+            target[path[-1]] = wrong
+            fast, exact = decoded_both_ways(kind, data)
+            assert fast == exact, (path, wrong)
