@@ -56,7 +56,7 @@ def test_spinning_ranks_broker_and_client_give_the_verdicts_of_blocking_ones(
         "passed", "passed", "failed", "skipped", "passed",
     ]  # fmt: skip
     log = (tmp_path / "spinning" / "logs" / "broker.log").read_text()
-    assert "spinning 300 us after a message" in log
+    assert "spinning 300 us after task traffic" in log
     rank_logs = list((tmp_path / "spinning" / "logs").glob("*rank*.log"))
     assert rank_logs and all("spinning 300 us after a report" in p.read_text() for p in rank_logs)
 

@@ -83,7 +83,7 @@ class Transport:
         lockfile.mark_serving(self._lock_file)  # spawn_broker returns on this line
         log.info(
             "cpq-broker %s pid %d serving %s (GPUs: %s, max CPU ranks: %d; spinning %d us "
-            "after a message, cpq.spin)",
+            "after task traffic, cpq.spin)",
             __version__,
             os.getpid(),
             self.config.endpoint,
