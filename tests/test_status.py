@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cpq import Client, timings
 from cpq.broker.history import TimingsLog
 from cpq.client import interpreter
+from cpq.client.autostart import broker_alive
 from cpq.protocol import RETRY_NOTE, TaskResult
 
 NOOP = "workers.collectives:noop"
@@ -585,3 +586,25 @@ def test_with_no_broker_the_cli_answers_at_once_and_status_json_is_still_json(
     assert status.returncode == 2
     document = json.loads(status.stdout)
     assert document["broker"] is None and document["pools"] == [] and document["error"]
+
+
+def test_stop_says_stopped_once_the_broker_and_its_groups_are_gone(tmp_path: Path) -> None:
+    """A script that runs ``cpq stop`` and then starts a broker on the same endpoint must
+    not find the old one still stopping its groups (it used to answer ~10 s early)."""
+    state = tmp_path / "state"
+    process, endpoint = start_broker(state)
+    try:
+        with Client(endpoint, name="stop-test") as client:
+            assert client.submit(NOOP, **PRIVATE).outcome == "passed"
+            ranks = [pid for pool in client.status()["pools"] for pid in pool["rank_pids"]]
+        done = cli(endpoint, state, "stop")
+        assert done.returncode == 0 and "broker stopped" in done.stdout, done
+        assert not broker_alive(endpoint)  # at once: nothing holds the endpoint any more
+        assert process.wait(timeout=5) == 0
+        alive = [p for p in _procs(ranks) if p.is_running() and p.status() != "zombie"]
+        assert ranks and not alive  # its spare's too; a zombie has exited, awaiting its reaper
+        again, endpoint_again = start_broker(state)  # the endpoint is free at once
+        stop_broker(again)
+        assert endpoint_again == endpoint
+    finally:
+        stop_broker(process)

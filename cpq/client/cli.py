@@ -244,7 +244,21 @@ def _run_stop(args: argparse.Namespace) -> int:
     except BrokerUnavailable as exc:
         print(f"cpq stop: {exc}", file=sys.stderr)
         return 2
-    print("drain requested" if args.drain else "broker stopped")
+    if args.drain:
+        print("drain requested")
+        return 0
+    if not endpoint.startswith("ipc://"):  # a broker elsewhere: its exit cannot be seen here
+        print("stop requested")
+        return 0
+    # "stopped" when it is: its groups stop first (a grace each), and a script that starts
+    # a broker next must not find this one still holding the endpoint.
+    deadline = time.monotonic() + args.timeout
+    while not _no_broker(endpoint):
+        if time.monotonic() > deadline:
+            print(f"cpq stop: the broker still runs after {args.timeout:g}s", file=sys.stderr)
+            return 2
+        time.sleep(0.05)
+    print("broker stopped")
     return 0
 
 
@@ -324,6 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = commands.add_parser("stop", help="stop the broker (and the warm callers)")
     stop.add_argument("--endpoint")
     stop.add_argument("--drain", action="store_true", help="finish running tasks first")
+    stop.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the broker to exit (default 60; an ipc endpoint's only)",
+    )
     stop.set_defaults(run=_run_stop)
     drain = commands.add_parser(
         "drain", help="finish running and queued tasks, refuse new ones, then stop the broker"
