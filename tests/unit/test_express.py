@@ -31,9 +31,11 @@ SPECS = (spec(2), spec(2, env=[("SPEC", "other")]))
 def group_views(draw: st.DrawFn, gpus: bool) -> list[GroupView]:
     views = []
     free = ["0", "1", "2", "3", "4", "5", "6", "7"]
-    for number in range(draw(st.integers(0, 4))):
-        pool = SPECS[draw(st.integers(0, 1))]
-        state = draw(st.sampled_from(["idle", "idle", "busy", "starting", "stopping"]))
+    for number in range(draw(st.integers(0, 5))):  # mostly idle groups of the task's spec
+        pool = SPECS[draw(st.sampled_from([0, 0, 0, 1]))]
+        state = draw(
+            st.sampled_from(["idle", "idle", "idle", "idle", "busy", "starting", "stopping"])
+        )
         held = tuple(free.pop() for _ in range(2)) if gpus else ()
         views.append(
             GroupView(
@@ -41,7 +43,7 @@ def group_views(draw: st.DrawFn, gpus: bool) -> list[GroupView]:
                 pool,
                 state,
                 held,
-                spare=draw(st.booleans()),
+                spare=draw(st.sampled_from([False, False, False, True])),
                 cpu=not gpus,
                 memory_mb=0.0 if gpus else 800.0,
                 last_used=NOW - draw(st.sampled_from([0.0, 5.0, 50.0, 2000.0])),
