@@ -30,7 +30,7 @@ SPECS = (spec(2), spec(2, env=[("SPEC", "other")]))
 
 def group_views(draw: st.DrawFn, gpus: bool) -> list[GroupView]:
     views = []
-    free = ["0", "1", "2", "3", "4", "5", "6", "7"]
+    free = [str(n) for n in range(10)]  # two for each of up to five groups
     for number in range(draw(st.integers(0, 5))):  # mostly idle groups of the task's spec
         pool = SPECS[draw(st.sampled_from([0, 0, 0, 1]))]
         state = draw(
@@ -58,7 +58,11 @@ def group_views(draw: st.DrawFn, gpus: bool) -> list[GroupView]:
 @st.composite
 def scenes(draw: st.DrawFn) -> tuple[Snapshot, Queued]:
     gpus = draw(st.booleans())
-    room = Room(gpus=tuple("01234567"), max_ranks=8) if gpus else Room(max_ranks=4, memory_mb=9e9)
+    room = (
+        Room(gpus=tuple(str(n) for n in range(10)), max_ranks=8)
+        if gpus
+        else Room(max_ranks=4, memory_mb=9e9)
+    )
     groups = group_views(draw, gpus)
     history = History()
     key = draw(st.sampled_from(["", "k1"]))
