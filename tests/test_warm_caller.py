@@ -235,6 +235,65 @@ def test_a_handed_over_session_reports_what_its_own_session_reports(project: Pat
     assert "warm caller" not in own.stdout
 
 
+EXIT_CONFTEST = """
+import atexit, os, sys, threading
+import heavy
+
+LOG = open(os.environ["EXIT_LOG"], "w")  # never closed: the exit flushes it
+if os.environ.get("EXIT_HOW") == "message":
+    sys.exit("this conftest ends the session")
+
+def pytest_sessionfinish(session):
+    LOG.write(f"sessionfinish {session.testsfailed}\\n")
+
+def _late():
+    total = 0
+    for n in range(3_000_000):  # still running when pytest returns: the exit waits
+        total += n
+    LOG.write(f"thread {total}\\n")
+
+def pytest_unconfigure(config):
+    threading.Thread(target=_late).start()
+
+def pytest_generate_tests(metafunc):
+    if "mode" in metafunc.fixturenames:
+        metafunc.parametrize("mode", [heavy.MODE])
+
+@atexit.register
+def _bye():
+    LOG.write("atexit\\n")
+    print("atexit says bye")
+"""
+
+
+@pytest.mark.parametrize("how", ["status", "message"])
+def test_a_handed_over_session_ends_as_its_own_process_ends(project: Path, how: str) -> None:
+    """The fork skips the interpreter's teardown of the warm heap (child.end_as_interpreter),
+    and nothing a program may rely on at its exit changes: a non-daemon thread still
+    running is waited for, atexit handlers run and print, a file left open is flushed,
+    the status is pytest's (a failing test: 1), a ``sys.exit("why")`` prints and is 1."""
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    (project / "conftest.py").write_text(EXIT_CONFTEST)
+    logs = {warm: project.parent / f"exit-{warm}.log" for warm in ("0", "1")}
+    runs = {
+        warm: _session(project, warm, name, EXIT_LOG=str(logs[warm]), EXIT_HOW=how)
+        for warm, name in (("0", "own"), ("1", "handed"))
+    }
+    assert _served(project) == 1, _log(project)
+    own, handed = runs["0"], runs["1"]
+    assert handed.returncode == own.returncode == 1
+    assert logs["1"].read_text() == logs["0"].read_text()
+    if how == "message":
+        assert own.stderr.strip() == handed.stderr.strip() == "this conftest ends the session"
+        assert logs["0"].read_text() == "" and own.stdout == handed.stdout == ""
+        return
+    assert own.stdout.endswith("atexit says bye\n") and handed.stdout.endswith("atexit says bye\n")
+    lines = logs["0"].read_text().splitlines()
+    assert lines == ["sessionfinish 1", f"thread {sum(range(3_000_000))}", "atexit"]
+    _same_output(handed.stdout, own.stdout)
+
+
 def test_a_variable_the_modules_read_at_import_is_this_sessions(project: Path) -> None:
     _session(project, "1", "first", HEAVY_MODE="a")
     _wait_until_served_by_a_warm_caller(project)
