@@ -239,13 +239,15 @@ def pytest_runtest_logreport(report):
         outcomes[report.nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("VERDICTS_OUT")
     if out:
         env = os.environ
         who = env.get("RANK") or env.get("PYTEST_XDIST_WORKER") or "client"
         with open(f"{out}-{who}.json", "w") as handle:
             json.dump(outcomes, handle)
+        with open(f"{out}-{who}.exitstatus", "w") as handle:
+            handle.write(str(int(exitstatus)))
 """
 
 

@@ -269,6 +269,16 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
         assert not differ, (
             f"{session} session differs from the fresh run: {differ}\n{run.stdout[-4000:]}"
         )
+        # What each rank's session ends with, as its conftest's sessionfinish sees it
+        # (rank 1 fails a test rank 0 passes: 1 and 0 in the fresh run).
+        statuses = {
+            rank: [
+                (project / f"{name}-{rank}.exitstatus").read_text()
+                for name in ("ref", f"cpq-{session}")
+            ]
+            for rank in (0, 1)
+        }
+        assert all(ref == got for ref, got in statuses.values()), statuses
         # pytest's own assertion detail, from the rank that failed
         assert "At index 1 diff: 2 != 3" in run.stdout
         assert "cpq: 25 task(s)" in run.stdout
@@ -406,3 +416,48 @@ def test_a_fixture_error_is_reported_as_a_fresh_run_reports_it(
     )
     assert "cpq/rank" not in warm.stdout, warm.stdout
     assert _errors_and_failures(warm.stdout) == _errors_and_failures(fresh.stdout)
+
+
+EXITS_CONFTEST = """
+import atexit, os
+
+
+def _bye(path):
+    with open(path, "a") as handle:
+        handle.write("bye\\n")
+
+
+def _never():
+    raise AssertionError("an unregistered handler ran")
+
+
+who = os.environ.get("RANK", "caller")
+atexit.register(_bye, os.path.join(os.environ["EXITS_DIR"], f"bye-{who}.txt"))
+atexit.register(_never)
+atexit.unregister(_never)
+"""
+
+
+def test_a_conftests_atexit_handler_runs_on_every_rank_as_in_a_fresh_run(
+    pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh rank runs its conftest's ``atexit`` handlers when it exits; a warm rank runs
+    them at its session's end (cpq.rank.exits), once a session: a second session on the
+    same group writes its own files once, not the first session's again. Your pytest
+    process imports the conftest too, and runs its handler at its own exit."""
+    project_session(monkeypatch, broker, pytester.path)
+    pytester.makeconftest(EXITS_CONFTEST)
+    pytester.makepyfile(test_exits="def test_one():\n    pass\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    fresh = [*torchrun, "--nproc-per-node", "2", "-m", "pytest", "-p", "no:randomly"]
+    cpq = [sys.executable, "-m", "pytest", "--cpq-world-size", "2", "-p", "no:randomly"]
+    files = {}
+    for name, command in (("fresh", fresh), ("cold", cpq), ("warm", cpq)):
+        out = pytester.path / f"exits-{name}"
+        out.mkdir()
+        run = run_with_verdicts(command, out / "v", pytester.path, EXITS_DIR=str(out))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        files[name] = {p.name: p.read_text() for p in out.glob("bye-*.txt")}
+    assert files["fresh"] == {"bye-0.txt": "bye\n", "bye-1.txt": "bye\n"}
+    for name in ("cold", "warm"):
+        assert files[name] == {**files["fresh"], "bye-caller.txt": "bye\n"}, name

@@ -10,9 +10,9 @@ encoding, error handler and buffering. Signal dispositions go back to an interpr
 own, or ignored where the caller's were (a shell's background job ignores ``SIGINT``),
 with the caller's signal mask; numpy's global generator is seeded anew. The fork leads a
 process group of its own, so the warm caller can kill what it started when the caller is
-killed. Then pytest runs exactly as ``python -m pytest`` runs it (``pytest.console_main()``),
-and the fork ends as the interpreter ends a process up to its last observable step
-(:func:`end_as_interpreter`), without the teardown of the warm heap after it.
+killed. Then pytest runs exactly as ``python -m pytest`` runs it
+(``raise SystemExit(pytest.console_main())``), and the exit unwinds to the interpreter,
+which ends the fork as it ends any process.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import types
 from typing import Any, NoReturn
 
@@ -42,6 +41,11 @@ def become(
     """Become the caller (``message``, its descriptors ``fds``); ``kept``: the variables
     the imports of modules that stay loaded set, set again here as their import did there."""
     conn.close()
+    # The warm caller froze its heap before the fork (server._accept): the session's
+    # collections skip it. At the exit it is collected again, as a fresh process's is
+    # (an object of it left uncollected would change what the exit does: triton's
+    # nanobind reports leaks then).
+    atexit.register(gc.unfreeze)
     os.setpgid(0, 0)
     _set_signals(message)
     descriptors.install(fds, message.get("fds", [0, 1, 2]))
@@ -66,73 +70,11 @@ def become(
     wire.say_staying = ahead.say_staying
     import pytest
 
-    # As ``python -m pytest`` ends (an uncaught exception, KeyboardInterrupt among them,
-    # unwinds to the interpreter as there: the warm caller's frames in between hold no
-    # cleanup, cpq/caller/server.py).
-    code: object
-    try:
-        code = pytest.console_main()
-    except SystemExit as exc:  # a plugin's sys.exit(): the same end
-        code = exc.code
-    end_as_interpreter(code)
-
-
-def end_as_interpreter(code: object) -> NoReturn:
-    """End the fork with ``code`` as ``raise SystemExit(code)`` ends an interpreter, up to
-    the last step anything can observe: non-daemon threads joined, ``atexit`` handlers run
-    (coverage's data, ``logging.shutdown``, ``weakref.finalize`` and temporary
-    directories), every file the session left open flushed, ``sys.stdout`` and
-    ``sys.stderr`` flushed (a failure: status 120, as the interpreter's). Then
-    ``os._exit``: the interpreter's teardown of what is still alive is left out.
-
-    Why: that teardown collects the whole warm heap (torch, the project's modules), which
-    the fork took over from the warm caller; on Megatron-LM's suite it was the largest
-    single cost of a handed-over session's end (docs/design.md, "The warm caller"). What
-    it would do beyond the steps above is what Python does not promise a program: the
-    ``__del__`` of objects alive at the exit ("It is not guaranteed that __del__() methods
-    are called for objects that still exist when the interpreter exits", the data model)
-    and extension modules' own teardown (nanobind's leak report). A code that is not a
-    number (a message, as ``sys.exit("why")``) takes the interpreter's own path."""
-    shutdown = getattr(threading, "_shutdown", None)
-    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if code is None:
-        code = 0
-    if not isinstance(code, int) or shutdown is None or run_exitfuncs is None:
-        # The warm caller froze its heap before the fork (server._accept): the session's
-        # collections skipped it. The interpreter's teardown collects it, as a fresh
-        # process's (left frozen, triton's nanobind reports its objects as leaked).
-        gc.unfreeze()
-        raise SystemExit(code)
-    status = int(code)
-    shutdown()  # as Py_FinalizeEx begins: wait for the non-daemon threads
-    run_exitfuncs()
-    _flush_open_files()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None and not stream.closed:
-                stream.flush()
-        except Exception:  # the interpreter's exit status for a failed flush
-            status = 120
-    os._exit(status & 0xFF)  # what the OS keeps of SystemExit(status)
-
-
-def _flush_open_files() -> None:
-    """Flush what a fresh process's teardown would flush by closing it: every buffered
-    file object the session opened and left open (a conftest's log file it never
-    closed). Text wrappers first, so their buffers reach the binary ones below. The warm
-    heap is frozen (``gc.get_objects`` leaves it out): its files are the warm caller's."""
-    found = [
-        obj
-        for obj in gc.get_objects()
-        if isinstance(obj, (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom))
-    ]
-    found.sort(key=lambda obj: not isinstance(obj, io.TextIOWrapper))
-    for obj in found:
-        if obj in (sys.stdout, sys.stderr):
-            continue
-        with contextlib.suppress(Exception):
-            if not obj.closed:
-                obj.flush()
+    # As ``python -m pytest`` ends: the exit unwinds to the interpreter, which joins
+    # non-daemon threads, runs atexit, flushes and closes what is open, and turns the
+    # code (or an uncaught KeyboardInterrupt) into the status (the warm caller's frames
+    # in between hold no cleanup: cpq/caller/server.py).
+    raise SystemExit(pytest.console_main())
 
 
 def _set_signals(message: dict[str, Any]) -> None:

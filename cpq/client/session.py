@@ -351,6 +351,12 @@ class _Notices:
         self.config = config
         self.test_id = test_id
         self.shown = False
+        self.last = ""  # the broker repeats its word while the wait lasts: said once
+
+    def say(self, notice: str) -> None:
+        if notice != self.last:
+            self.last = notice
+            self._say(notice)
 
     def _terminal(self) -> tuple[Any, Any] | None:
         manager = self.config.pluginmanager
@@ -360,7 +366,7 @@ class _Notices:
             return None  # an xdist worker has no terminal of its own: the stderr copy is shown
         return reporter, capture
 
-    def say(self, notice: str) -> None:
+    def _say(self, notice: str) -> None:
         line = f"cpq: {notice}"
         terminal = self._terminal()
         if terminal is not None:

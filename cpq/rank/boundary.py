@@ -60,7 +60,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpq.rank import probes
+from cpq.rank import exits, probes
 
 log = logging.getLogger("cpq.rank")
 
@@ -172,6 +172,7 @@ def cross(why: str = "session") -> Crossed:
         return crossed
     if len(sys.modules) != _settled_len:
         crossed = _forget(_ready)
+    exits.run_forgotten(crossed.forgotten, sys.modules)  # as a fresh process's exit would
     _restore(_ready)
     _reset_known_libraries(_ready)
     for step in _steps:

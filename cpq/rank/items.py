@@ -318,8 +318,20 @@ class RankSession:
         conftests = getattr(self.config.pluginmanager, "_conftest_plugins", ())
         for module in list(conftests):  # imported again by the next session, as test modules
             _note_test_module(module)
+        # What pytest's own main would end this rank's session with (_pytest.main._main):
+        # a conftest's sessionfinish that keeps artefacts of a failing rank reads it.
+        import pytest
+
+        session = self.session
+        if session.testsfailed:
+            status = pytest.ExitCode.TESTS_FAILED
+        elif session.testscollected == 0:
+            status = pytest.ExitCode.NO_TESTS_COLLECTED
+        else:
+            status = pytest.ExitCode.OK
+        session.exitstatus = status
         try:
-            self.config.hook.pytest_sessionfinish(session=self.session, exitstatus=0)
+            self.config.hook.pytest_sessionfinish(session=session, exitstatus=status)
         finally:
             self.config._ensure_unconfigure()
             pgroups.caller_done(self.groups_before)  # what its fixtures made and left
@@ -363,9 +375,12 @@ def _forget_test_modules() -> None:
     """A new calling session imports its test modules and conftest files again, as a fresh
     process does: their module-level state (a counter, a cache) starts anew, and an edited
     test module is read again. Libraries and helpers stay loaded (the group's warmth)."""
+    from cpq.rank import exits
+
     for name in list(_test_modules):
         sys.modules.pop(name, None)
         del _test_modules[name]
+        exits.gone.add(name)  # its atexit handlers run at the boundary
 
 
 def _session_for(key: str, setup: dict[str, Any], rank: int) -> RankSession:

@@ -35,6 +35,7 @@ from cpq.rank import (
     boundary,
     cancel,
     carryover,
+    exits,
     failure_report,
     importenv,
     items,
@@ -499,6 +500,7 @@ def main() -> None:
     baseline = Baseline.capture()
     carried = carryover.Carryover.capture()
     boundary.mark_ready()  # the modules every later session and launch starts from
+    exits.install()  # a session's atexit handlers run at its boundary (cpq.rank.exits)
     boundary.on_forget(watch.forget)  # a forgotten module's file is read afresh, not watched
     capture = FdCapture(protocol.MAX_CAPTURE_BYTES)
     link.output_so_far = capture.so_far  # with a stack dump: what a stuck rank printed
