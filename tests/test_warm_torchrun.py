@@ -303,3 +303,42 @@ def test_help_is_torchruns_with_cpqs_word_first(tmp_path: Path) -> None:
 
     own = plan(["--nproc-per-node", "2", "script.py", "--help"])
     assert own.launch.argv == ["script.py", "--help"] and not own.launch.unknown
+
+
+ATEXIT_SCRIPT = """
+import atexit, os, sys
+
+def bye(path):
+    with open(path, "a") as handle:
+        handle.write("bye\\n")
+
+atexit.register(bye, os.path.join(sys.argv[1], f"bye-{os.environ['RANK']}.txt"))
+"""
+
+
+def test_a_scripts_atexit_handler_runs_on_every_rank_as_under_torchrun(
+    project: Path, tmp_path: Path
+) -> None:
+    """A worker's exit runs what its script registered with ``atexit``; a warm rank runs it
+    at the launch's end (cpq.rank.exits), once per launch."""
+    (project / "bye.py").write_text(ATEXIT_SCRIPT)
+    runs = {}
+    for name, command in (
+        ("real", ["torchrun"]),
+        ("cold", [sys.executable, "-m", "cpq", "torchrun"]),
+        ("warm", [sys.executable, "-m", "cpq", "torchrun"]),
+    ):
+        out = tmp_path / name
+        out.mkdir()
+        run = subprocess.run(
+            [*command, "--nproc-per-node", "2", "bye.py", str(out)],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        runs[name] = out
+    written = {name: {p.name: p.read_text() for p in out.iterdir()} for name, out in runs.items()}
+    assert written["real"] == {"bye-0.txt": "bye\n", "bye-1.txt": "bye\n"}
+    assert written["cold"] == written["warm"] == written["real"], written

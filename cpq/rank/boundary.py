@@ -172,7 +172,10 @@ def cross(why: str = "session") -> Crossed:
         return crossed
     if len(sys.modules) != _settled_len:
         crossed = _forget(_ready)
-    exits.run_forgotten(crossed.forgotten, sys.modules)  # as a fresh process's exit would
+    try:  # as a fresh process's exit would
+        exits.run_forgotten(crossed.forgotten, sys.modules)
+    except Exception:  # a session's handler must not stop the boundary
+        log.exception("running the session's atexit handlers failed")
     _restore(_ready)
     _reset_known_libraries(_ready)
     for step in _steps:

@@ -15,13 +15,19 @@ module's state for every later session (``multiprocessing`` marks itself as exit
 registered by a module imported ahead of a session (:mod:`cpq.rank.ahead`) that the session
 never took over is dropped with the module: a fresh process never imported it. Output goes
 where the rank's output goes between tasks (its log), not to the session's report, since a
-fresh rank's exit prints after its session's report too. Only the rank installs this (the
-warm caller's fork exits through the interpreter, which runs its own handlers).
+fresh rank's exit prints after its session's report too. A handler cannot take the rank
+down: an exception is printed and the others run, as at an interpreter's exit; its
+``os._exit`` ends only the handler; streams it closed or replaced are the rank's again after
+it; what it registers while the handlers run is not run (nor is it at an interpreter's
+exit). Only the rank installs this (the warm caller's fork exits through the interpreter,
+which runs its own handlers).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Callable, Container
@@ -30,6 +36,7 @@ from typing import Any
 
 _real_register = atexit.register
 _real_unregister = atexit.unregister
+_real_exit = os._exit
 
 
 @dataclass
@@ -45,8 +52,15 @@ class Exit:
 #: Registered since the rank was ready, in order.
 pending: list[Exit] = []
 #: Modules taken out of ``sys.modules`` since the last boundary by others than the boundary
-#: (a session's test modules and conftests: ``cpq.rank.items``): theirs run there too.
+#: (a session's test modules and conftests: ``cpq.rank.items``; a launch's ``__main__``:
+#: ``cpq.rank.script``): theirs run there too.
 gone: set[str] = set()
+#: While handlers run: what they register is not run (the interpreter's exit runs none).
+_running = False
+
+
+class _HardExit(BaseException):
+    """``os._exit`` called by a handler: it ends the handler, not the warm rank."""
 
 
 def install() -> None:
@@ -56,6 +70,10 @@ def install() -> None:
 
 
 def _register(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+    if not callable(func):
+        raise TypeError("the first argument must be callable")
+    if _running:
+        return func
     caller = sys._getframe(1)
     module = caller.f_globals.get("__name__", "") if caller is not None else ""
     pending.append(Exit(module if isinstance(module, str) else "", func, args, dict(kwargs)))
@@ -72,24 +90,54 @@ def run_forgotten(forgotten: Container[str], loaded: Container[str]) -> int:
     (last registered first; one without a module counts as the session's); hand those of
     modules still ``loaded`` to the interpreter's ``atexit``, as before; drop the rest.
     Returns how many ran."""
-    entries = list(pending)
-    pending.clear()
+    global _running
+    entries, pending[:] = pending[:], []
     went = set(gone)
     gone.clear()
-    ran = 0
+    due = []
     for entry in reversed(entries):
         if not entry.module or entry.module in forgotten or entry.module in went:
-            ran += 1
-            _call(entry)
+            due.append(entry)
         elif entry.module in loaded:
             _real_register(entry.func, *entry.args, **entry.kwargs)
-    return ran
+    if not due:
+        return 0
+    streams = sys.stdout, sys.stderr
+    real_exit, _running = os._exit, True
+    os._exit = _hard_exit  # type: ignore[assignment]
+    try:
+        for entry in due:
+            _call(entry)
+    finally:
+        os._exit, _running = real_exit, False
+        sys.stdout, sys.stderr = streams  # a handler may have replaced or closed them
+        if getattr(sys.stdout, "closed", False):
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the rank's from now on
+        if getattr(sys.stderr, "closed", False):
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the rank's from now on
+    return len(due)
+
+
+def _hard_exit(code: int) -> None:
+    raise _HardExit(code)
 
 
 def _call(entry: Exit) -> None:
-    """As the interpreter calls a handler: an exception is printed and the others run."""
+    """As the interpreter calls a handler: an exception is printed and the others run (an
+    ``os._exit`` ends only the handler: the rank is not the process the handler meant)."""
+    func = _hard_exit if entry.func is _real_exit else entry.func  # atexit.register(os._exit)
     try:
-        entry.func(*entry.args, **entry.kwargs)
+        func(*entry.args, **entry.kwargs)
+    except _HardExit as exc:
+        code = exc.args[0]
+        text = f"an atexit callback {entry.func!r} called os._exit({code}): the rank goes on\n"
     except BaseException:  # a KeyboardInterrupt too: atexit prints it and goes on
-        print(f"Exception ignored in atexit callback {entry.func!r}:", file=sys.stderr)
-        traceback.print_exc()
+        text = f"Exception ignored in atexit callback {entry.func!r}:\n{traceback.format_exc()}"
+    else:
+        return
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # a handler closed it
+        with contextlib.suppress(OSError):
+            os.write(2, text.encode(errors="replace"))

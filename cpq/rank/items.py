@@ -323,7 +323,11 @@ class RankSession:
         import pytest
 
         session = self.session
-        if session.testsfailed:
+        if session.shouldfail:  # pytest_runtestloop's Failed (-x, --maxfail)
+            status = pytest.ExitCode.TESTS_FAILED
+        elif session.shouldstop:  # its Interrupted (a plugin's stop, stepwise)
+            status = pytest.ExitCode.INTERRUPTED
+        elif session.testsfailed:
             status = pytest.ExitCode.TESTS_FAILED
         elif session.testscollected == 0:
             status = pytest.ExitCode.NO_TESTS_COLLECTED

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cpq import environ
+from cpq.rank import exits
 from cpq.rank.items import ItemRun
 
 CPQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -123,6 +124,9 @@ def run_script(
             sys.stderr.flush()
             code = 1
         finally:
+            # Its top-level code ran as __main__, which the rank's own __main__ replaces
+            # again: its atexit handlers run at the launch's boundary (cpq.rank.exits).
+            exits.gone.update(("__main__", "__mp_main__"))
             last_path[:] = sys.path  # where its imports were found (cpq.rank.ahead)
             sys.argv = saved_argv
             sys.path[:] = saved_path

@@ -98,3 +98,37 @@ def test_a_test_module_pytest_dropped_runs_its_handlers_at_the_boundary(
     exits.gone.add("conftest")
     assert exits.run_forgotten(set(), set()) == 1 and ran == ["conftest"]
     assert exits.gone == set()
+
+
+def test_a_handler_without_a_module_counts_as_the_sessions(forwarded: list[Any]) -> None:
+    ran: list[str] = []
+    exits.pending.append(exits.Exit("", ran.append, ("nameless",)))
+    assert exits.run_forgotten(set(), {"conftest"}) == 1 and ran == ["nameless"]
+
+
+def test_a_handler_that_exits_or_closes_stderr_leaves_the_rank_and_the_others_running(
+    forwarded: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank is not the process a handler meant to end: ``os._exit`` ends the handler;
+    closed or replaced streams are the rank's again after the handlers."""
+    import io
+    import os
+    import sys
+
+    ran: list[str] = []
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    _register_from("conftest", ran.append, "first registered, last run")
+    _register_from("conftest", os._exit, 3)
+    _register_from("conftest", lambda: os._exit(4))
+    _register_from("conftest", lambda: sys.stderr.close())
+    _register_from("conftest", lambda: _register_from("conftest", ran.append, "late"))
+    assert exits.run_forgotten({"conftest"}, set()) == 5
+    assert ran == ["first registered, last run"]  # not "late": registered while exiting
+    assert err.closed and not sys.stderr.closed and exits.pending == []
+    assert os._exit is not exits._hard_exit
+
+
+def test_a_registration_that_is_not_callable_is_refused(forwarded: list[Any]) -> None:
+    with pytest.raises(TypeError):
+        exits._register(42)  # type: ignore[arg-type]
