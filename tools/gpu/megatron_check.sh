@@ -12,7 +12,7 @@
 #      against the real torchrun, nccl on the GPU.
 # MEG_SECOND=0 / MEG_BENCH=0 / MEG_BOUNDARY=0 / MEG_TORCHRUN=0 skip 3 / 4 / 5 / 6.
 # Needs (carried, git-ignored): .megatron (stage.sh's folder, plus the second bucket's files)
-# and .whl (the cp312 pyzmq wheel). Results in $OUT.
+# and .whl (the cp312 pyzmq wheel). Results in $OUT (the runs' folders in runs.tgz).
 set -uo pipefail
 PROJ=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -56,3 +56,9 @@ if [ "${MEG_TORCHRUN:-1}" != 0 ]; then
   PYTHONPATH=/tmp/site:$PROJ PATH=$PATH timeout 300 python3 tools/bench_torchrun.py \
     --launches 8 --nproc 1 --gpus auto 2>&1 | tail -8 | tee "$OUT/bench_torchrun.txt"
 fi
+
+# The device tool brings back at most 8 files from $OUT: the runs' lines once more at the
+# end (the call's output tail), their folders in one archive.
+echo "== summary"
+grep -h -E "^RUN|^SUMMARY|^host:" "$OUT"/main/meg-summary.txt "$OUT"/second/meg-summary.txt 2>/dev/null
+(cd "$OUT" && tar -czf runs.tgz main second 2>/dev/null && rm -rf main second)
