@@ -30,7 +30,7 @@ import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,8 +59,30 @@ gone: set[str] = set()
 _running = False
 
 
-class _HardExit(BaseException):
-    """``os._exit`` called by a handler: it ends the handler, not the warm rank."""
+class HardExit(BaseException):
+    """``os._exit(code)`` called by a launched script or an atexit handler: it ends that
+    code, not the warm rank (:func:`exit_raises`)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def exit_raises() -> Iterator[None]:
+    """While inside: ``os._exit(code)`` flushes the streams and raises :class:`HardExit`."""
+    real = os._exit
+
+    def hard_exit(code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise HardExit(int(code))
+
+    os._exit = hard_exit  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def install() -> None:
@@ -103,13 +125,13 @@ def run_forgotten(forgotten: Container[str], loaded: Container[str]) -> int:
     if not due:
         return 0
     streams = sys.stdout, sys.stderr
-    real_exit, _running = os._exit, True
-    os._exit = _hard_exit  # type: ignore[assignment]
+    _running = True
     try:
-        for entry in due:
-            _call(entry)
+        with exit_raises():
+            for entry in due:
+                _call(entry)
     finally:
-        os._exit, _running = real_exit, False
+        _running = False
         sys.stdout, sys.stderr = streams  # a handler may have replaced or closed them
         if getattr(sys.stdout, "closed", False):
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the rank's from now on
@@ -118,19 +140,14 @@ def run_forgotten(forgotten: Container[str], loaded: Container[str]) -> int:
     return len(due)
 
 
-def _hard_exit(code: int) -> None:
-    raise _HardExit(code)
-
-
 def _call(entry: Exit) -> None:
     """As the interpreter calls a handler: an exception is printed and the others run (an
     ``os._exit`` ends only the handler: the rank is not the process the handler meant)."""
-    func = _hard_exit if entry.func is _real_exit else entry.func  # atexit.register(os._exit)
+    func = os._exit if entry.func is _real_exit else entry.func  # atexit.register(os._exit)
     try:
         func(*entry.args, **entry.kwargs)
-    except _HardExit as exc:
-        code = exc.args[0]
-        text = f"an atexit callback {entry.func!r} called os._exit({code}): the rank goes on\n"
+    except HardExit as exc:
+        text = f"an atexit callback {entry.func!r} called os._exit({exc.code}): the rank goes on\n"
     except BaseException:  # a KeyboardInterrupt too: atexit prints it and goes on
         text = f"Exception ignored in atexit callback {entry.func!r}:\n{traceback.format_exc()}"
     else:

@@ -25,7 +25,6 @@ running) makes the rank unfit: the group is recycled (:func:`leftover`).
 from __future__ import annotations
 
 import builtins
-import contextlib
 import importlib.machinery
 import os
 import runpy
@@ -35,7 +34,6 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Iterator
 from typing import Any
 
 from cpq import environ
@@ -106,7 +104,7 @@ def run_script(
     sys.path[:] = worker_path(cwd if module else os.path.dirname(os.path.abspath(argv[0])))
     groups_before = {id(pg) for pg in pgroups.made_groups()}
     code, text = 0, ""
-    with pgroups.as_fresh_worker(), _exit_raises():
+    with pgroups.as_fresh_worker(), exits.exit_raises():
         try:
             if module:
                 runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
@@ -116,7 +114,7 @@ def run_script(
                 runpy.run_path(argv[0], run_name="__main__")
         except SystemExit as exc:
             code, text = _exit_code(exc)
-        except _HardExit as exc:  # os._exit(n): the worker's status, without its death
+        except exits.HardExit as exc:  # os._exit(n): the worker's status, without its death
             code = exc.code
         except BaseException as exc:  # what the interpreter prints, and its status
             text = _uncaught(exc, module, pgroups.script_initialised)
@@ -146,30 +144,6 @@ def run_script(
         return ItemRun("passed", value=0)
     line = f"exit code {code} (pid: {os.getpid()}, at {ended:.3f})"
     return ItemRun("failed", error=("SystemExit", line, text[-8000:]), value=code)
-
-
-class _HardExit(BaseException):
-    """``os._exit(code)`` called by the script: ends the script, not the warm rank."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-@contextlib.contextmanager
-def _exit_raises() -> Iterator[None]:
-    real = os._exit
-
-    def hard_exit(code: int) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        raise _HardExit(int(code))
-
-    os._exit = hard_exit  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os._exit = real
 
 
 def _run_file(path: str) -> None:

@@ -126,7 +126,7 @@ def test_a_handler_that_exits_or_closes_stderr_leaves_the_rank_and_the_others_ru
     assert exits.run_forgotten({"conftest"}, set()) == 5
     assert ran == ["first registered, last run"]  # not "late": registered while exiting
     assert err.closed and not sys.stderr.closed and exits.pending == []
-    assert os._exit is not exits._hard_exit
+    assert os._exit is exits._real_exit
 
 
 def test_a_registration_that_is_not_callable_is_refused(forwarded: list[Any]) -> None:
