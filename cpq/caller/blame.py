@@ -184,6 +184,27 @@ class Blame:
                     queue.append(importer)
         return {name: culprit for name, culprit in origin.items() if name not in self.blamed}
 
+    def culprits(self) -> dict[str, set[str]]:
+        """Every module that needs a blamed one, directly or not, with all the blamed ones
+        it needs (:meth:`needing` names one): a module that needs only modules blamed for
+        initialising CUDA can be imported by a session prepared ahead
+        (:mod:`cpq.caller.prepared`); one that also needs the root logger's can not."""
+        needed_by: dict[str, set[str]] = {}
+        for importer, imported in self._needs.items():
+            for name in imported:
+                needed_by.setdefault(name, set()).add(importer)
+        found: dict[str, set[str]] = {}
+        for culprit in self.blamed:
+            queue, seen = [culprit], {culprit}
+            while queue:
+                for importer in needed_by.get(queue.pop(), ()):
+                    if importer not in seen:
+                        seen.add(importer)
+                        queue.append(importer)
+            for name in seen - set(self.blamed):
+                found.setdefault(name, set()).add(culprit)
+        return found
+
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Bracket every module executed, and record every import statement, meanwhile."""

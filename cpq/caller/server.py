@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from cpq import environ
-from cpq.caller import blame, descriptors, wire
+from cpq.caller import blame, descriptors, prepared, wire
 from cpq.rank import ahead, boundary, freshness, importenv, probes
 
 log = logging.getLogger("cpq.caller")
@@ -78,6 +78,11 @@ class Server:
         self.listener: socket.socket | None = None
         self.inode = -1
         self._last_pass_s: float | None = None  # the project's last pass, from its start
+        #: What a session prepared ahead imports (:mod:`cpq.caller.prepared`), the one
+        #: ready or preparing, and why none is prepared any more ("" while they may be).
+        self.to_prepare: list[str] = []
+        self.candidate: prepared.Candidate | None = None
+        self.no_prepare = ""
 
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's own code did what a fork cannot take
@@ -136,6 +141,7 @@ class Server:
             self._leave_out(blame_)
             return False
         self.watch.scan(self.started_ns)
+        self.to_prepare = prepared.to_import(self.plan.modules, left_out)
         pass_s = time.time() - self.started_ns / 1e9
         wire.note_warming(self.plan.key, time.time(), pass_s, serving=True)
         wire.passes_served(self.plan.key)
@@ -168,7 +174,9 @@ class Server:
 
     def _leave_out(self, blame_: blame.Blame) -> None:
         """What the pass blamed and what needs it, to ``KEY.exclude.json`` and the log."""
-        left_out = wire.add_left_out(self.plan.key, blame_.blamed, blame_.needing())
+        left_out = wire.add_left_out(
+            self.plan.key, blame_.blamed, blame_.needing(), prepared.cuda_only(blame_)
+        )
         pass_s = time.time() - self.started_ns / 1e9  # what the next pass will take
         wire.note_warming(self.plan.key, time.time() + pass_s, pass_s)
         log.info(
@@ -216,13 +224,18 @@ class Server:
 
     def serve(self, path: Path) -> None:
         while self.listener is not None or self.children:
-            readable = [c for c in self.children.values() if c is not None]
+            self._prepare()
+            readable: list[Any] = [c for c in self.children.values() if c is not None]
             if self.listener is not None:
                 readable.append(self.listener)
+            if self.candidate is not None:
+                readable.append(self.candidate)
             ready, _, _ = select.select(readable, [], [], _TICK_S)
             for sock in ready:
                 if sock is self.listener:
                     self._accept()
+                elif sock is self.candidate:
+                    self._drop_candidate(self.candidate.heard())
                 else:
                     self._caller_gone(sock)
             self._reap()
@@ -231,8 +244,42 @@ class Server:
                 log.info("closing: %s", why)
                 self.listener.close()
                 self.listener = None
+                self._drop_candidate("the warm caller closes")
                 if self._owns(path):
                     path.unlink(missing_ok=True)
+        self._drop_candidate("the warm caller closes")
+
+    def _prepare(self) -> None:
+        """Keep a session prepared ahead while this process serves and has modules only a
+        fork that initialises CUDA may import (:mod:`cpq.caller.prepared`)."""
+        if self.candidate or not self.to_prepare or self.no_prepare or self.listener is None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        gc.freeze()  # as before each fork (_accept)
+        pid = os.fork()
+        if pid == 0:  # prepares, then becomes a calling process or exits: never comes back
+            try:
+                ours.close()
+                self._forget_sockets(keep=theirs)
+                prepared.run(theirs, self.to_prepare, self.at_fork)
+            except SystemExit:
+                raise  # the session's end, as in a fork (_accept)
+            except BaseException:
+                traceback.print_exc()
+            os._exit(70)
+        theirs.close()
+        self.candidate = prepared.Candidate(pid, ours)
+
+    def _drop_candidate(self, why: str) -> None:
+        """The prepared session cannot serve (``why``; "" when it still may): close its
+        end (it exits) and prepare none again in this process."""
+        if not why or self.candidate is None:
+            return
+        if why != "the warm caller closes":
+            log.info("no session prepared ahead any more: %s", why)
+            self.no_prepare = why
+        self.candidate.close()
+        self.candidate = None
 
     def _owns(self, path: Path) -> bool:
         try:
@@ -266,6 +313,8 @@ class Server:
                 conn.close()
                 return
             self._check(message, fds)
+            if self._offer(conn, message, fds):
+                return
             # What this process holds goes to the permanent generation before the fork (as
             # the gc docs advise for a fork server): the session's collections skip the
             # warm heap; the fork puts it back for its exit (child.become).
@@ -288,6 +337,27 @@ class Server:
             except BaseException:
                 traceback.print_exc()  # on the caller's stderr once it is in place
             os._exit(70)
+        self._started(pid, conn, message, fds, "")
+
+    def _offer(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> bool:
+        """Offer the caller to the session prepared ahead; True when it took it."""
+        candidate = self.candidate
+        if candidate is None or not candidate.ready:
+            return False
+        why = candidate.offer(message, fds)
+        if why:
+            log.info("the session prepared ahead did not take a caller: %s", why)
+            if not candidate.ready:
+                self._drop_candidate(why)
+            return False
+        self.candidate = None
+        candidate.close()  # it became the calling process; the next one is prepared anew
+        self._started(candidate.pid, conn, message, fds, " (prepared ahead)")
+        return True
+
+    def _started(
+        self, pid: int, conn: socket.socket, message: dict[str, Any], fds: list[int], how: str
+    ) -> None:
         with contextlib.suppress(OSError):  # the fork may have done it already
             os.setpgid(pid, pid)
         for fd in fds:
@@ -295,7 +365,7 @@ class Server:
         with contextlib.suppress(OSError):  # the caller is gone: _caller_gone kills the fork
             wire.send(conn, {"pid": pid})
         self.children[pid] = conn
-        log.info("session %d started: %s", pid, " ".join(message["argv"])[:300])
+        log.info("session %d started%s: %s", pid, how, " ".join(message["argv"])[:300])
 
     def _refuse(self, conn: socket.socket, fds: list[int], why: str, fatal: bool) -> None:
         for fd in fds:
@@ -360,6 +430,9 @@ class Server:
                 return
             if pid == 0:
                 return
+            if self.candidate is not None and pid == self.candidate.pid:
+                self._drop_candidate(f"it exited (wait status {status})")
+                continue
             if pid not in self.children:
                 continue
             conn = self.children.pop(pid)
@@ -373,6 +446,8 @@ class Server:
     def _forget_sockets(self, keep: socket.socket) -> None:
         if self.listener is not None:
             self.listener.close()
+        if self.candidate is not None:
+            self.candidate.close()
         for conn in self.children.values():
             if conn is not None and conn is not keep:
                 conn.close()

@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,11 @@ class LeftOut:
     blamed: dict[str, str] = field(default_factory=dict)
     needing: dict[str, str] = field(default_factory=dict)
     passes: int = 0  # that blamed a module
+    #: Modules left out only because they initialise CUDA or need only such modules: a
+    #: session prepared ahead imports them (:mod:`cpq.caller.prepared`).
+    cuda_only: list[str] = field(default_factory=list)
+    #: Why this project's sessions are not prepared ahead ("" when they may be).
+    no_prepared: str = ""
 
     def __contains__(self, name: object) -> bool:
         """Whether ``name`` is left out: named, or a submodule of a package named (its
@@ -143,10 +148,13 @@ def read_left_out(key: str) -> LeftOut:
     blamed, needing, passes = raw.get("blamed"), raw.get("needing"), raw.get("passes")
     if not isinstance(blamed, dict) or not isinstance(needing, dict) or not isinstance(passes, int):
         return LeftOut()
+    cuda_only, no_prepared = raw.get("cuda_only", []), raw.get("no_prepared", "")
     return LeftOut(
         {str(k): str(v) for k, v in blamed.items()},
         {str(k): str(v) for k, v in needing.items()},
         passes,
+        [str(name) for name in cuda_only] if isinstance(cuda_only, list) else [],
+        no_prepared if isinstance(no_prepared, str) else "not readable",
     )
 
 
@@ -165,7 +173,9 @@ def _left_out_locked(key: str) -> Iterator[None]:
         yield
 
 
-def add_left_out(key: str, blamed: dict[str, str], needing: dict[str, str]) -> LeftOut:
+def add_left_out(
+    key: str, blamed: dict[str, str], needing: dict[str, str], cuda_only: Iterable[str] = ()
+) -> LeftOut:
     """Add one pass's findings to what ``key``'s warm callers leave out, and count the pass.
     Under a lock: a project may have two warm callers warming at once (one a session started
     at its start, one at its end), and neither may lose the other's findings."""
@@ -173,9 +183,18 @@ def add_left_out(key: str, blamed: dict[str, str], needing: dict[str, str]) -> L
         left_out = read_left_out(key)
         left_out.blamed.update(blamed)
         left_out.needing.update({k: v for k, v in needing.items() if k not in left_out.blamed})
+        left_out.cuda_only += [name for name in cuda_only if name not in left_out.cuda_only]
         left_out.passes += 1
         write_left_out(key, left_out)
         return left_out
+
+
+def no_prepared(key: str, why: str) -> None:
+    """``key``'s sessions are not to be prepared ahead any more (``why``)."""
+    with _left_out_locked(key):
+        left_out = read_left_out(key)
+        left_out.no_prepared = why
+        write_left_out(key, left_out)
 
 
 def passes_served(key: str) -> None:

@@ -150,6 +150,7 @@ def at_session_start(config: Any) -> None:
     caller saves — and, when no warm caller serves the project, start one from what this
     process imported so far (the conftests' imports, the bulk), so that it is ready long
     before this session ends."""
+    _check_prepared()
     if not _start or _served() is not None or "start_s" in _start:
         return
     try:
@@ -163,6 +164,32 @@ def at_session_start(config: Any) -> None:
             _start["spawned"] = True
     except Exception:  # an optimisation only
         return
+
+
+def _check_prepared() -> None:
+    """A session prepared ahead (:mod:`cpq.caller.prepared`) initialised CUDA under the
+    caller's ``CUDA_*`` variables: one whose conftests changed one would run on other
+    devices than a fresh process — fail it, and prepare none of the project's again."""
+    served = _served()
+    if served is None or not served.get("prepared") or not _start:
+        return
+    theirs = served["environ"]
+    changed = sorted(
+        name
+        for name in set(os.environ) | set(theirs)
+        if name.startswith("CUDA_") and os.environ.get(name) != theirs.get(name)
+    )
+    if not changed:
+        return
+    why = f"the session changed {changed[0]} after a session prepared ahead initialised CUDA"
+    with contextlib.suppress(OSError):
+        wire.no_prepared(_start["key"], why)
+    import pytest
+
+    raise pytest.UsageError(
+        f"cpq: {why}; the session would not run on the devices a fresh process uses. "
+        "Run it again: this project's sessions are no longer prepared ahead."
+    )
 
 
 def at_end(config: Any) -> None:

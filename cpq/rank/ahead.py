@@ -513,6 +513,12 @@ def say_staying() -> None:
     _warn_again(_staying_warned, {n: m for n, m in sys.modules.items() if m is not None})
 
 
+def say_at_start(warned: list[Any]) -> None:
+    """Have :func:`say_staying` warn ``warned`` too (what a session prepared ahead
+    imported: :mod:`cpq.caller.prepared`)."""
+    _staying_warned.extend(warned)
+
+
 def _say(part: Part) -> None:
     """Print and warn what ``part``'s imports did, under this session's filters."""
     if part.stdout:

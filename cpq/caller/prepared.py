@@ -1,0 +1,234 @@
+"""A session prepared ahead: a fork of the warm caller that imports, before any caller
+comes, what only CUDA kept out of the warm caller (docs/design.md, "A session prepared
+ahead").
+
+The warm caller must not initialise CUDA: its forks could not use it. A module that reads
+the GPU at import (Megatron-LM's ``megatron.core.ssm.ops.gdp.common`` asks for the device's
+name and capability) is left out of it, with every module that needs it — on the GPU host
+378 of Megatron-LM's modules, imported by every handed-over session's conftest again:
+3.7 s of a 22.5 s session. A fork that will not fork again may initialise CUDA, so the warm
+caller keeps one such fork ready: it imports those modules (and only those: a module that
+also needs one left out for another reason stays the session's import), then waits. The
+next caller is offered to it first; it checks what a fresh import would see differently
+(a file changed since, a variable its imports read, a variable they set), takes the caller
+or refuses (then the warm caller forks as before), and becomes the calling process as any
+fork does (:func:`cpq.caller.child.become`). The warm caller then prepares the next one.
+
+What differs from a fresh process, and is checked or accepted: CUDA is initialised from
+the session's start rather than when its conftests import those modules — under the same
+start variables (``CUDA_*`` are the warm caller's, checked equal to the caller's); a
+session whose conftests then change a ``CUDA_`` variable fails with a usage error instead of
+running on the wrong devices, and the project's sessions are not prepared ahead again
+(``cpq.client.handoff``). What those imports warned is warned again where the conftests'
+imports warn (as for modules that stay loaded); what they printed is not said again.
+``CPQ_PREPARE_AHEAD=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import io
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from cpq.caller import blame, descriptors, wire
+from cpq.rank import ahead, freshness, importenv
+
+log = logging.getLogger("cpq.caller")
+
+ENV = "CPQ_PREPARE_AHEAD"
+#: The words :func:`cpq.caller.blame.changes` uses for it.
+CUDA = "initialised CUDA"
+#: How long the warm caller waits for a prepared session's answer to an offer.
+ANSWER_S = 5.0
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def cuda_only(blame_: blame.Blame) -> list[str]:
+    """The modules a pass blamed for initialising CUDA alone, and those that need only
+    such modules (a module that also needs one blamed for the root logger is not here)."""
+    only_cuda = {name for name, why in blame_.blamed.items() if why == CUDA}
+    needing = [name for name, by in blame_.culprits().items() if by <= only_cuda]
+    return sorted(only_cuda) + sorted(needing)
+
+
+def to_import(plan_modules: list[str], left_out: wire.LeftOut) -> list[str]:
+    """What a session prepared ahead imports: the plan's modules left out only for CUDA,
+    in the plan's order, of families that stay loaded in the warm caller (Megatron-LM's,
+    which registers torch operators); a family held aside (:mod:`cpq.rank.ahead`) is put
+    back when the session imports it, which a prepared session would do before. None when
+    the project's sessions are not to be prepared."""
+    if left_out.no_prepared or not enabled():
+        return []
+    chosen = set(left_out.cuda_only)
+    return [n for n in plan_modules if n in chosen and n.partition(".")[0] in sys.modules]
+
+
+# ----------------------------------------------------------------------------- its side
+
+
+@dataclass
+class Prepared:
+    """What the imports of a session prepared ahead did, checked for each caller."""
+
+    names: list[str]
+    reads: dict[str, str | None] = field(default_factory=dict)
+    kept: ahead.Kept = field(default_factory=ahead.Kept)
+    #: The values the variables the imports set had before (the caller's must be those).
+    found: dict[str, str | None] = field(default_factory=dict)
+    watch: freshness.CodeWatch | None = None
+
+
+def prepare(names: list[str]) -> Prepared | str:
+    """Import ``names`` here; what they did, or why this fork cannot serve ("" never)."""
+    started_ns = time.time_ns()
+    before, held = dict(os.environ), ahead.held()
+    blame_ = blame.Blame()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.ExitStack() as stack:
+            reads = stack.enter_context(importenv.diverted())
+            caught = stack.enter_context(warnings.catch_warnings(record=True))
+            stack.enter_context(contextlib.redirect_stdout(out))
+            stack.enter_context(contextlib.redirect_stderr(err))
+            stack.enter_context(blame_.watching())
+            warnings.simplefilter("always")  # every warning, said again under the session's
+            for name in names:
+                importlib.import_module(name)
+                blame_.look(fallback=name)
+    except BaseException as exc:  # SystemExit too: this fork, never the warm caller
+        return f"importing failed: {type(exc).__name__}: {str(exc)[:200]}"
+    blame_.unwrap(list(sys.modules.values()))
+    other = {name: why for name, why in blame_.blamed.items() if why != CUDA}
+    if other:
+        return "; ".join(f"{name} {why}" for name, why in other.items())[:300]
+    taken = sorted(set(held) - set(ahead.held()))
+    if taken:  # its filters and prints went to this fork's capture, not the session's
+        return f"the imports took families held aside: {', '.join(taken)}"
+    done = Prepared(list(names))
+    done.kept = ahead.Kept(
+        {os.fsdecode(k): os.fsdecode(v) for k, v in blame_.environ_set.items()},
+        list(blame_.path_appended),
+    )
+    done.found = {name: before.get(name) for name in done.kept.environ}
+    done.reads = {k: v for k, v in reads.items() if k not in done.kept.environ}
+    done.watch = freshness.CodeWatch()
+    done.watch.scan(started_ns)
+    ahead.say_at_start(list(caught or []))
+    return done
+
+
+def refusal(done: Prepared, message: dict[str, Any]) -> str:
+    """Why this prepared session cannot be ``message``'s caller ("" when it can)."""
+    if done.watch is not None:
+        changed = done.watch.changed()
+        if changed:
+            return f"{changed} changed since it was imported"
+    theirs = message["environ"]
+    for name, value in done.reads.items():
+        if theirs.get(name) != value:
+            return f"its imports read {name}, which differs for this session"
+    for name, value in done.found.items():
+        if theirs.get(name) != value:
+            return f"its imports set {name}, which this session has otherwise"
+    return ""
+
+
+def run(sock: socket.socket, names: list[str], at_fork: ahead.Kept) -> NoReturn:
+    """The prepared session's life: import, say so, then serve one caller or exit when
+    the warm caller closes its end."""
+    from cpq.caller import child
+
+    started = time.perf_counter()
+    done = prepare(names)
+    if isinstance(done, str):
+        wire.send(sock, {"unfit": done})
+        os._exit(0)
+    wire.send(sock, {"ready": len(names), "took_s": round(time.perf_counter() - started, 3)})
+    while True:
+        message, fds = wire.recv(sock, maxfds=descriptors.TOP + 1)
+        if message is None:
+            os._exit(0)  # the warm caller closed: nobody will come
+        why = refusal(done, message)
+        if why:
+            for fd in fds:
+                os.close(fd)
+            wire.send(sock, {"refused": why})
+            continue
+        wire.send(sock, {"taken": True})
+        message["prepared"] = len(names)
+        kept = ahead.Kept()
+        kept.add(at_fork)
+        kept.add(done.kept)
+        gc.freeze()  # as before a fork: the session's collections skip what is here
+        child.become(message, fds, sock, kept)
+
+
+# ------------------------------------------------------------ the warm caller's side
+
+
+class Candidate:
+    """The warm caller's handle on a prepared session (its process, its socket)."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.ready = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def heard(self) -> str:
+        """Read what it said (it became ready, or cannot serve): "" while it may serve,
+        else why it cannot."""
+        try:
+            message, _ = wire.recv(self.sock)
+        except (OSError, wire.WireError) as exc:
+            return f"its socket failed: {exc}"
+        if message is None:
+            return "it exited"
+        if "ready" in message:
+            self.ready = True
+            log.info(
+                "a session prepared ahead is ready: %s modules imported in %ss",
+                message["ready"],
+                message.get("took_s"),
+            )
+            return ""
+        return str(message.get("unfit") or f"it said {sorted(message)}")
+
+    def offer(self, message: dict[str, Any], fds: list[int]) -> str:
+        """Offer it the caller: "" when it took it, else why not (it stays ready when it
+        refused; the warm caller forks for that caller)."""
+        try:
+            wire.send(self.sock, message, fds)
+            self.sock.settimeout(ANSWER_S)
+            answer, _ = wire.recv(self.sock)
+        except (OSError, wire.WireError) as exc:
+            self.ready = False
+            return f"it did not answer: {exc}"
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(None)
+        if answer is None:
+            self.ready = False
+            return "it exited"
+        if answer.get("taken") is True:
+            return ""
+        return str(answer.get("refused") or f"it said {sorted(answer)}")
+
+    def close(self) -> None:
+        """Its end closes: a prepared session nobody took exits."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
