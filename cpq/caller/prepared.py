@@ -49,6 +49,8 @@ ENV = "CPQ_PREPARE_AHEAD"
 CUDA = "initialised CUDA"
 #: How long the warm caller waits for a prepared session's answer to an offer.
 ANSWER_S = 5.0
+#: How long a caller waits for the session being prepared, at most.
+PARK_S = 10.0
 
 
 def enabled() -> bool:
@@ -179,7 +181,7 @@ def run(sock: socket.socket, names: list[str], at_fork: ahead.Kept) -> NoReturn:
 
 
 class Candidate:
-    """The warm caller's handle on a prepared session (its process, its socket)."""
+    """The warm caller's handle on one prepared session (its process, its socket)."""
 
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid = pid
@@ -198,7 +200,7 @@ class Candidate:
             return f"its socket failed: {exc}"
         if message is None:
             return "it exited"
-        if "ready" in message:
+        if "ready" in message and not self.ready:
             self.ready = True
             log.info(
                 "a session prepared ahead is ready: %s modules imported in %ss",
@@ -232,3 +234,84 @@ class Candidate:
         """Its end closes: a prepared session nobody took exits."""
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+#: A caller checked and waiting for the session being prepared: its connection, request
+#: and descriptors, and until when it waits.
+Parked = tuple[socket.socket, dict[str, Any], list[int], float]
+
+
+class Preparer:
+    """The warm caller's side: which modules a prepared session imports, the one ready or
+    being prepared, the callers waiting for it, and why none is prepared any more.
+
+    A caller that comes while one is being prepared waits for it (:data:`PARK_S` at
+    most): what it would wait for is what its own session would import meanwhile."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.candidate: Candidate | None = None
+        self.why_not = ""
+        self.parked: list[Parked] = []
+
+    def wanted(self, serving: bool) -> bool:
+        """Whether to prepare one now (the warm caller forks it: it knows its sockets)."""
+        return serving and bool(self.names) and not self.why_not and self.candidate is None
+
+    def started(self, pid: int, sock: socket.socket) -> None:
+        self.candidate = Candidate(pid, sock)
+
+    def sockets(self) -> list[Candidate]:
+        return [] if self.candidate is None else [self.candidate]
+
+    def heard(self) -> None:
+        if self.candidate is not None:
+            self.drop(self.candidate.heard())
+
+    def reaped(self, pid: int, status: int) -> bool:
+        """Whether ``pid`` was the prepared session (it died before serving)."""
+        if self.candidate is None or pid != self.candidate.pid:
+            return False
+        self.drop(f"it exited (wait status {status})")
+        return True
+
+    def drop(self, why: str, for_good: bool = True) -> None:
+        """The prepared session cannot serve (``why``; "" when it still may): close its
+        end (it exits) and, ``for_good``, prepare none again in this process."""
+        if not why or self.candidate is None:
+            return
+        if for_good:
+            log.info("no session prepared ahead any more: %s", why)
+            self.why_not = why
+        self.candidate.close()
+        self.candidate = None
+
+    def park(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> bool:
+        """Let the caller wait for the session being prepared (False: none is)."""
+        if self.candidate is None or self.candidate.ready:
+            return False
+        self.parked.append((conn, message, fds, time.monotonic() + PARK_S))
+        return True
+
+    def due(self) -> list[Parked]:
+        """The waiting callers to serve now: all once the prepared session is ready or
+        gone, else those that waited long enough."""
+        now, ready = time.monotonic(), self.candidate is None or self.candidate.ready
+        due = [each for each in self.parked if ready or each[3] <= now]
+        self.parked = [each for each in self.parked if each not in due]
+        return due
+
+    def take(self, message: dict[str, Any], fds: list[int]) -> int | None:
+        """Offer the caller to the ready prepared session: its pid when it took it (the
+        next one is prepared anew), None when the warm caller forks for it."""
+        candidate = self.candidate
+        if candidate is None or not candidate.ready:
+            return None
+        why = candidate.offer(message, fds)
+        if why:
+            log.info("the session prepared ahead did not take a caller: %s", why)
+            if not candidate.ready:
+                self.drop(why)
+            return None
+        self.drop("taken", for_good=False)  # it became the calling process
+        return candidate.pid

@@ -78,11 +78,8 @@ class Server:
         self.listener: socket.socket | None = None
         self.inode = -1
         self._last_pass_s: float | None = None  # the project's last pass, from its start
-        #: What a session prepared ahead imports (:mod:`cpq.caller.prepared`), the one
-        #: ready or preparing, and why none is prepared any more ("" while they may be).
-        self.to_prepare: list[str] = []
-        self.candidate: prepared.Candidate | None = None
-        self.no_prepare = ""
+        #: Sessions prepared ahead (:mod:`cpq.caller.prepared`).
+        self.preparer = prepared.Preparer([])
 
     def warm(self) -> bool:
         """Import the plan ahead. False when a module's own code did what a fork cannot take
@@ -141,7 +138,7 @@ class Server:
             self._leave_out(blame_)
             return False
         self.watch.scan(self.started_ns)
-        self.to_prepare = prepared.to_import(self.plan.modules, left_out)
+        self.preparer = prepared.Preparer(prepared.to_import(self.plan.modules, left_out))
         pass_s = time.time() - self.started_ns / 1e9
         wire.note_warming(self.plan.key, time.time(), pass_s, serving=True)
         wire.passes_served(self.plan.key)
@@ -224,36 +221,35 @@ class Server:
 
     def serve(self, path: Path) -> None:
         while self.listener is not None or self.children:
-            self._prepare()
+            if self.preparer.wanted(serving=self.listener is not None):
+                self._prepare()
             readable: list[Any] = [c for c in self.children.values() if c is not None]
             if self.listener is not None:
                 readable.append(self.listener)
-            if self.candidate is not None:
-                readable.append(self.candidate)
+            readable += self.preparer.sockets()
             ready, _, _ = select.select(readable, [], [], _TICK_S)
             for sock in ready:
                 if sock is self.listener:
                     self._accept()
-                elif sock is self.candidate:
-                    self._drop_candidate(self.candidate.heard())
+                elif isinstance(sock, prepared.Candidate):
+                    self.preparer.heard()
                 else:
                     self._caller_gone(sock)
             self._reap()
+            for conn, message, fds, _ in self.preparer.due():
+                self._serve_one(conn, message, fds)
             why = self.closing or self._why_close(path)
             if why and self.listener is not None:
                 log.info("closing: %s", why)
                 self.listener.close()
                 self.listener = None
-                self._drop_candidate("the warm caller closes")
+                self.preparer.drop("the warm caller closes", for_good=False)
                 if self._owns(path):
                     path.unlink(missing_ok=True)
-        self._drop_candidate("the warm caller closes")
+        self.preparer.drop("the warm caller closes", for_good=False)
 
     def _prepare(self) -> None:
-        """Keep a session prepared ahead while this process serves and has modules only a
-        fork that initialises CUDA may import (:mod:`cpq.caller.prepared`)."""
-        if self.candidate or not self.to_prepare or self.no_prepare or self.listener is None:
-            return
+        """Fork a session prepared ahead (:mod:`cpq.caller.prepared`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         gc.freeze()  # as before each fork (_accept)
         pid = os.fork()
@@ -261,25 +257,14 @@ class Server:
             try:
                 ours.close()
                 self._forget_sockets(keep=theirs)
-                prepared.run(theirs, self.to_prepare, self.at_fork)
+                prepared.run(theirs, self.preparer.names, self.at_fork)
             except SystemExit:
                 raise  # the session's end, as in a fork (_accept)
             except BaseException:
                 traceback.print_exc()
             os._exit(70)
         theirs.close()
-        self.candidate = prepared.Candidate(pid, ours)
-
-    def _drop_candidate(self, why: str) -> None:
-        """The prepared session cannot serve (``why``; "" when it still may): close its
-        end (it exits) and prepare none again in this process."""
-        if not why or self.candidate is None:
-            return
-        if why != "the warm caller closes":
-            log.info("no session prepared ahead any more: %s", why)
-            self.no_prepare = why
-        self.candidate.close()
-        self.candidate = None
+        self.preparer.started(pid, ours)
 
     def _owns(self, path: Path) -> bool:
         try:
@@ -313,16 +298,28 @@ class Server:
                 conn.close()
                 return
             self._check(message, fds)
-            if self._offer(conn, message, fds):
-                return
+        except Refused as refused:
+            self._refuse(conn, fds, str(refused), refused.fatal)
+            return
+        except Exception as exc:  # one request's trouble, never the others' sessions
+            self._refuse(conn, fds, f"{type(exc).__name__}: {exc}", False)
+            return
+        if not self.preparer.park(conn, message, fds):
+            self._serve_one(conn, message, fds)
+
+    def _serve_one(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+        """Run the checked caller's session: the session prepared ahead takes it, or a
+        fork."""
+        pid = self.preparer.take(message, fds)
+        if pid is not None:
+            self._started(pid, conn, message, fds, " (prepared ahead)")
+            return
+        try:
             # What this process holds goes to the permanent generation before the fork (as
             # the gc docs advise for a fork server): the session's collections skip the
             # warm heap; the fork puts it back for its exit (child.become).
             gc.freeze()
             pid = os.fork()
-        except Refused as refused:
-            self._refuse(conn, fds, str(refused), refused.fatal)
-            return
         except Exception as exc:  # one request's trouble, never the others' sessions
             self._refuse(conn, fds, f"{type(exc).__name__}: {exc}", False)
             return
@@ -338,22 +335,6 @@ class Server:
                 traceback.print_exc()  # on the caller's stderr once it is in place
             os._exit(70)
         self._started(pid, conn, message, fds, "")
-
-    def _offer(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> bool:
-        """Offer the caller to the session prepared ahead; True when it took it."""
-        candidate = self.candidate
-        if candidate is None or not candidate.ready:
-            return False
-        why = candidate.offer(message, fds)
-        if why:
-            log.info("the session prepared ahead did not take a caller: %s", why)
-            if not candidate.ready:
-                self._drop_candidate(why)
-            return False
-        self.candidate = None
-        candidate.close()  # it became the calling process; the next one is prepared anew
-        self._started(candidate.pid, conn, message, fds, " (prepared ahead)")
-        return True
 
     def _started(
         self, pid: int, conn: socket.socket, message: dict[str, Any], fds: list[int], how: str
@@ -430,8 +411,7 @@ class Server:
                 return
             if pid == 0:
                 return
-            if self.candidate is not None and pid == self.candidate.pid:
-                self._drop_candidate(f"it exited (wait status {status})")
+            if self.preparer.reaped(pid, status):
                 continue
             if pid not in self.children:
                 continue
@@ -446,8 +426,8 @@ class Server:
     def _forget_sockets(self, keep: socket.socket) -> None:
         if self.listener is not None:
             self.listener.close()
-        if self.candidate is not None:
-            self.candidate.close()
+        for candidate in self.preparer.sockets():
+            candidate.close()
         for conn in self.children.values():
             if conn is not None and conn is not keep:
                 conn.close()
