@@ -133,7 +133,7 @@ def _log(project: Path) -> str:
 
 
 def _served(project: Path) -> int:
-    return len(re.findall(r"session \d+ started: ", _log(project)))
+    return len(re.findall(r"session \d+ started(?: \(prepared ahead\))?: ", _log(project)))
 
 
 def _wait_until_served_by_a_warm_caller(project: Path) -> None:

@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -248,8 +249,12 @@ class Preparer:
     A caller that comes while one is being prepared waits for it (:data:`PARK_S` at
     most): what it would wait for is what its own session would import meanwhile."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(
+        self, names: list[str], key: str = "", clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.names = names
+        self.clock = clock
+        self.key = key  # the project's: a session may have stopped preparing (no_prepared)
         self.candidate: Candidate | None = None
         self.why_not = ""
         self.parked: list[Parked] = []
@@ -290,13 +295,13 @@ class Preparer:
         """Let the caller wait for the session being prepared (False: none is)."""
         if self.candidate is None or self.candidate.ready:
             return False
-        self.parked.append((conn, message, fds, time.monotonic() + PARK_S))
+        self.parked.append((conn, message, fds, self.clock() + PARK_S))
         return True
 
     def due(self) -> list[Parked]:
         """The waiting callers to serve now: all once the prepared session is ready or
         gone, else those that waited long enough."""
-        now, ready = time.monotonic(), self.candidate is None or self.candidate.ready
+        now, ready = self.clock(), self.candidate is None or self.candidate.ready
         due = [each for each in self.parked if ready or each[3] <= now]
         self.parked = [each for each in self.parked if each not in due]
         return due
@@ -306,6 +311,10 @@ class Preparer:
         next one is prepared anew), None when the warm caller forks for it."""
         candidate = self.candidate
         if candidate is None or not candidate.ready:
+            return None
+        stopped = wire.read_left_out(self.key).no_prepared if self.key else ""
+        if stopped:  # a session found its CUDA variables changed (cpq.client.handoff)
+            self.drop(stopped)
             return None
         why = candidate.offer(message, fds)
         if why:

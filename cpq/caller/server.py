@@ -138,7 +138,8 @@ class Server:
             self._leave_out(blame_)
             return False
         self.watch.scan(self.started_ns)
-        self.preparer = prepared.Preparer(prepared.to_import(self.plan.modules, left_out))
+        names = prepared.to_import(self.plan.modules, left_out)
+        self.preparer = prepared.Preparer(names, self.plan.key)
         pass_s = time.time() - self.started_ns / 1e9
         wire.note_warming(self.plan.key, time.time(), pass_s, serving=True)
         wire.passes_served(self.plan.key)

@@ -1,0 +1,130 @@
+"""A session prepared ahead (cpq/caller/prepared.py), end to end: a module that reads the GPU
+at import cannot be imported by the warm caller (its forks could not use CUDA), so a fork
+that will not fork again imports it before the next caller comes, and becomes that
+caller's session. Its verdicts, exit status and output are the session's own (against the
+same session with ``CPQ_WARM_CALLER=0``); a session whose conftest changes a ``CUDA_``
+variable after that fails closed, and the project's sessions are not prepared again.
+
+There is no GPU here: the module stands in for one that reads it by marking torch's CUDA
+initialised in the calling process (``torch.cuda._initialized``), which is what the warm
+caller's blame looks at (``probes.cuda_initialised``); in the ranks (``RANK`` set) it does
+not, as the ranks' own CUDA is theirs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from test_warm_caller import (  # the warm caller's harness: a project, its sessions, its log
+    _log,
+    _own_then_handed,
+    _same_output,
+    _session,
+    _verdicts,
+    _wait_until_served_by_a_warm_caller,
+    project,
+)
+
+__all__ = ["project"]  # the fixture, used by name
+
+#: A package that stays loaded in the warm caller (it registers a torch operator, as
+#: Megatron-LM's does), with a submodule that reads the GPU at import and one that needs it.
+PACKAGE = """
+import torch
+
+@torch.library.custom_op("cpqprepared::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+"""
+
+READS_GPU = """
+import os
+import warnings
+
+import torch
+
+if "RANK" not in os.environ:  # the calling process: what reading the device's name does
+    torch.cuda._initialized = True
+warnings.warn("probing the device's capability", UserWarning)
+with open(os.path.join(os.path.dirname(__file__), "imported.txt"), "a") as log:
+    log.write(f"{os.getpid()}\\n")
+CAPABILITY = 9
+"""
+
+NEEDS_IT = """
+from gpupkg import probe
+
+KIND = "hopper" if probe.CAPABILITY >= 9 else "older"
+"""
+
+
+def _with_a_module_reading_the_gpu(project: Path, conftest_head: str = "") -> None:
+    package = project / "gpupkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(PACKAGE)
+    (package / "probe.py").write_text(READS_GPU)
+    (package / "kernels.py").write_text(NEEDS_IT)
+    conftest = project / "conftest.py"
+    conftest.write_text(conftest_head + "import gpupkg.kernels\n" + conftest.read_text())
+    (project / "test_kind.py").write_text(
+        "import gpupkg.kernels\n\n"
+        "def test_kind():\n"
+        "    assert gpupkg.kernels.KIND == 'hopper'\n\n"
+        "def test_kind_fails():\n"
+        "    assert gpupkg.kernels.KIND == 'older'\n"
+    )
+
+
+def _prepared_sessions(project: Path) -> list[str]:
+    return re.findall(r"session (\d+) started \(prepared ahead\)", _log(project))
+
+
+def test_a_module_reading_the_gpu_at_import_is_imported_by_a_session_prepared_ahead(
+    project: Path,
+) -> None:
+    _with_a_module_reading_the_gpu(project)
+    own, handed = _own_then_handed(project)
+    log = _log(project)
+    assert "leaving out gpupkg.probe: its code initialised CUDA, and 1 modules" in log, log
+    prepared = _prepared_sessions(project)
+    assert len(prepared) == 1, log
+    # the session's process imported the module before the session came (and once)
+    imported = (project / "gpupkg" / "imported.txt").read_text().split()
+    assert imported.count(prepared[0]) == 1, (imported, log)
+    assert (handed.returncode, _verdicts(project, "handed")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )
+    assert "probing the device's capability" in own.stdout
+    _same_output(handed.stdout, own.stdout)
+
+
+def test_a_session_whose_conftest_changes_a_cuda_variable_fails_closed_and_the_next_is_its_own(
+    project: Path,
+) -> None:
+    """The prepared session initialised CUDA under the caller's ``CUDA_VISIBLE_DEVICES``; a
+    conftest that sets another one before its imports would, in a fresh process, run on
+    other devices. That session fails with a usage error; the project's sessions are not
+    prepared again, and the next one runs as its own would."""
+    _with_a_module_reading_the_gpu(
+        project,
+        conftest_head=(
+            "import os\n"
+            "if 'RANK' not in os.environ:\n"
+            "    os.environ['CUDA_VISIBLE_DEVICES'] = '7'\n"
+        ),
+    )
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    failed = _session(project, "1", "failed")
+    assert len(_prepared_sessions(project)) == 1, _log(project)
+    assert failed.returncode == 4, failed.stdout + failed.stderr
+    assert "changed CUDA_VISIBLE_DEVICES after a session prepared ahead" in failed.stderr
+    own = _session(project, "0", "own")
+    after = _session(project, "1", "after")
+    assert len(_prepared_sessions(project)) == 1, _log(project)
+    assert (after.returncode, _verdicts(project, "after")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    )
