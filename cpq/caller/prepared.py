@@ -35,6 +35,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,6 +263,25 @@ class Preparer:
     def wanted(self, serving: bool) -> bool:
         """Whether to prepare one now (the warm caller forks it: it knows its sockets)."""
         return serving and bool(self.names) and not self.why_not and self.candidate is None
+
+    def fork(self, forget: Callable[[socket.socket], None], at_fork: ahead.Kept) -> None:
+        """Fork the prepared session; ``forget(keep)`` closes in it the warm caller's
+        sockets but ``keep``, and ``at_fork`` is what each fork does again from its start."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        gc.freeze()  # as before each fork of the warm caller's
+        pid = os.fork()
+        if pid == 0:  # prepares, then becomes a calling process or exits: never returns
+            try:
+                ours.close()
+                forget(theirs)
+                run(theirs, self.names, at_fork)
+            except SystemExit:
+                raise  # the session's end, as in any fork (cpq.caller.server)
+            except BaseException:
+                traceback.print_exc()
+            os._exit(70)
+        theirs.close()
+        self.started(pid, ours)
 
     def started(self, pid: int, sock: socket.socket) -> None:
         self.candidate = Candidate(pid, sock)

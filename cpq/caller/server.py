@@ -223,7 +223,7 @@ class Server:
     def serve(self, path: Path) -> None:
         while self.listener is not None or self.children:
             if self.preparer.wanted(serving=self.listener is not None):
-                self._prepare()
+                self.preparer.fork(self._forget_sockets, self.at_fork)
             readable: list[Any] = [c for c in self.children.values() if c is not None]
             if self.listener is not None:
                 readable.append(self.listener)
@@ -248,24 +248,6 @@ class Server:
                 if self._owns(path):
                     path.unlink(missing_ok=True)
         self.preparer.drop("the warm caller closes", for_good=False)
-
-    def _prepare(self) -> None:
-        """Fork a session prepared ahead (:mod:`cpq.caller.prepared`)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        gc.freeze()  # as before each fork (_accept)
-        pid = os.fork()
-        if pid == 0:  # prepares, then becomes a calling process or exits: never comes back
-            try:
-                ours.close()
-                self._forget_sockets(keep=theirs)
-                prepared.run(theirs, self.preparer.names, self.at_fork)
-            except SystemExit:
-                raise  # the session's end, as in a fork (_accept)
-            except BaseException:
-                traceback.print_exc()
-            os._exit(70)
-        theirs.close()
-        self.preparer.started(pid, ours)
 
     def _owns(self, path: Path) -> bool:
         try:
@@ -360,17 +342,7 @@ class Server:
             self.closing = why
 
     def _check(self, message: dict[str, Any], fds: list[int]) -> None:
-        _check_shape(message)
-        numbers = message.get("fds", [0, 1, 2])
-        if not (isinstance(numbers, list) and all(type(n) is int for n in numbers)):
-            raise Refused("fds must be a list of descriptor numbers")
-        if len(numbers) != len(fds):
-            raise Refused(f"{len(numbers)} descriptor numbers for {len(fds)} descriptors")
-        why = descriptors.refusal(numbers)
-        if why:
-            raise Refused(why)
-        if message.get("interpreter") != wire.interpreter_identity():
-            raise Refused("another interpreter or other interpreter options")
+        _check_request(message, fds)
         changed = self.watch.changed()
         if changed:
             raise Refused(f"{changed} changed since it was imported", fatal=True)
@@ -436,6 +408,22 @@ class Server:
 
 def _decoded(environ: dict[bytes, bytes]) -> dict[str, str]:
     return {os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()}
+
+
+def _check_request(message: dict[str, Any], fds: list[int]) -> None:
+    """What any warm caller refuses: a malformed request, its descriptors' numbers, another
+    interpreter."""
+    _check_shape(message)
+    numbers = message.get("fds", [0, 1, 2])
+    if not (isinstance(numbers, list) and all(type(n) is int for n in numbers)):
+        raise Refused("fds must be a list of descriptor numbers")
+    if len(numbers) != len(fds):
+        raise Refused(f"{len(numbers)} descriptor numbers for {len(fds)} descriptors")
+    why = descriptors.refusal(numbers)
+    if why:
+        raise Refused(why)
+    if message.get("interpreter") != wire.interpreter_identity():
+        raise Refused("another interpreter or other interpreter options")
 
 
 def _check_shape(message: dict[str, Any]) -> None:
