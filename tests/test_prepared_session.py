@@ -14,6 +14,7 @@ not, as the ranks' own CUDA is theirs.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 from test_warm_caller import (  # the warm caller's harness: a project, its sessions, its log
@@ -128,3 +129,27 @@ def test_a_session_whose_conftest_changes_a_cuda_variable_fails_closed_and_the_n
         own.returncode,
         _verdicts(project, "own"),
     )
+
+
+def test_an_edit_to_a_module_the_prepared_session_imported_is_seen(project: Path) -> None:
+    """The prepared session imported ``gpupkg.kernels``; edited after that, the next session
+    is not taken by it (it refuses, and exits: it would be stale for every caller) and
+    imports the edited module itself, as a fresh process would."""
+    _with_a_module_reading_the_gpu(project)
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    deadline = time.monotonic() + 60
+    while "a session prepared ahead is ready" not in _log(project):
+        assert time.monotonic() < deadline, _log(project)
+        time.sleep(0.1)  # polling the warm caller's log
+    kernels = project / "gpupkg" / "kernels.py"
+    kernels.write_text(kernels.read_text().replace(">= 9", ">= 10"))  # now "older"
+    edited = _session(project, "1", "edited")
+    own = _session(project, "0", "own")
+    verdicts = _verdicts(project, "own")
+    assert (verdicts["test_kind"], verdicts["test_kind_fails"]) == ("failure", "passed")
+    assert _verdicts(project, "edited") == verdicts, edited.stdout
+    assert (edited.returncode, own.returncode) == (1, 1)
+    log = _log(project)
+    assert "did not take a caller: " in log and "kernels.py changed since it was imported" in log
+    assert not _prepared_sessions(project), log

@@ -133,12 +133,15 @@ def prepare(names: list[str]) -> Prepared | str:
     return done
 
 
+_STALE = " changed since it was imported"
+
+
 def refusal(done: Prepared, message: dict[str, Any]) -> str:
     """Why this prepared session cannot be ``message``'s caller ("" when it can)."""
     if done.watch is not None:
         changed = done.watch.changed()
         if changed:
-            return f"{changed} changed since it was imported"
+            return f"{changed}{_STALE}"
     theirs = message["environ"]
     for name, value in done.reads.items():
         if theirs.get(name) != value:
@@ -169,6 +172,8 @@ def run(sock: socket.socket, names: list[str], at_fork: ahead.Kept) -> NoReturn:
             for fd in fds:
                 os.close(fd)
             wire.send(sock, {"refused": why})
+            if why.endswith(_STALE):
+                os._exit(0)  # stale for every caller: the warm caller prepares none again
             continue
         wire.send(sock, {"taken": True})
         message["prepared"] = len(names)
