@@ -159,10 +159,14 @@ def run(sock: socket.socket, names: list[str], at_fork: ahead.Kept) -> NoReturn:
 
     started = time.perf_counter()
     done = prepare(names)
-    if isinstance(done, str):
-        wire.send(sock, {"unfit": done})
+    said: dict[str, Any] = {"unfit": done} if isinstance(done, str) else {"ready": len(names)}
+    said["took_s"] = round(time.perf_counter() - started, 3)
+    try:
+        wire.send(sock, said)
+    except OSError:  # the warm caller closed meanwhile
         os._exit(0)
-    wire.send(sock, {"ready": len(names), "took_s": round(time.perf_counter() - started, 3)})
+    if isinstance(done, str):
+        os._exit(0)
     while True:
         message, fds = wire.recv(sock, maxfds=descriptors.TOP + 1)
         if message is None:

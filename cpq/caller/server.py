@@ -221,7 +221,7 @@ class Server:
         self.listener = listener
 
     def serve(self, path: Path) -> None:
-        while self.listener is not None or self.children:
+        while self.listener is not None or self.children or self.preparer.parked:
             if self.preparer.wanted(serving=self.listener is not None):
                 self.preparer.fork(self._forget_sockets, self.at_fork)
             readable: list[Any] = [c for c in self.children.values() if c is not None]

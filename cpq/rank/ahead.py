@@ -514,8 +514,7 @@ def say_staying() -> None:
 
 
 def say_at_start(warned: list[Any]) -> None:
-    """Have :func:`say_staying` warn ``warned`` too (what a session prepared ahead
-    imported: :mod:`cpq.caller.prepared`)."""
+    """:func:`say_staying` warns ``warned`` too (a prepared session's: cpq.caller.prepared)."""
     _staying_warned.extend(warned)
 
 
