@@ -47,3 +47,12 @@ def available_memory_mb() -> float:
     except (OSError, ValueError, IndexError):
         pass
     return 0.0
+
+
+def broker_command(*args: str) -> list[str]:
+    """``python -m cpq.broker ARGS`` with this interpreter. Without the working directory on
+    the import path where the interpreter allows it (``-P``, Python 3.11+): started from a
+    folder that holds a ``cpq`` folder (the parent of a clone), ``-m`` would import that
+    one instead of the installed package. A rank keeps it (``torchrun -m pytest`` does)."""
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe, "-m", "cpq.broker", *args]

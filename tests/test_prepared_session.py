@@ -134,7 +134,9 @@ def test_a_session_whose_conftest_changes_a_cuda_variable_fails_closed_and_the_n
 def test_an_edit_to_a_module_the_prepared_session_imported_is_seen(project: Path) -> None:
     """The prepared session imported ``gpupkg.kernels``; edited after that, the next session
     is not taken by it (it refuses, and exits: it would be stale for every caller) and
-    imports the edited module itself, as a fresh process would."""
+    imports the edited module itself, as a fresh process would. The session after that is
+    prepared again, with the edited module (a newcomer found one edit ended preparing for
+    the warm caller's life)."""
     _with_a_module_reading_the_gpu(project)
     _session(project, "1", "first")
     _wait_until_served_by_a_warm_caller(project)
@@ -153,3 +155,6 @@ def test_an_edit_to_a_module_the_prepared_session_imported_is_seen(project: Path
     log = _log(project)
     assert "did not take a caller: " in log and "kernels.py changed since it was imported" in log
     assert not _prepared_sessions(project), log
+    again = _session(project, "1", "again")
+    assert len(_prepared_sessions(project)) == 1, _log(project)
+    assert (again.returncode, _verdicts(project, "again")) == (own.returncode, verdicts)

@@ -348,7 +348,9 @@ class Preparer:
         why = candidate.offer(message, fds)
         if why:
             log.info("the session prepared ahead did not take a caller: %s", why)
-            if not candidate.ready:
+            if why.endswith(_STALE):  # it exits; the next one imports the edited files
+                self.drop(why, for_good=False)
+            elif not candidate.ready:
                 self.drop(why)
             return None
         self.drop("taken", for_good=False)  # it became the calling process

@@ -15,13 +15,12 @@ import logging
 import os
 import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cpq import __version__, lockfile, paths
+from cpq import __version__, lockfile, osutil, paths
 from cpq.lockfile import code_fingerprint
 
 log = logging.getLogger("cpq.client.autostart")
@@ -161,7 +160,7 @@ def spawn_broker(
     puts it in a session of its own (the autostarted broker outlives the pytest session
     that started it). The one way cpq, its tests and its tools start a broker process.
     """
-    command = [sys.executable, "-m", "cpq.broker", "--endpoint", endpoint, *args]
+    command = osutil.broker_command("--endpoint", endpoint, *args)
     with open(log_path, "ab") as log_file:  # the child keeps its own copy of the fd
         process = subprocess.Popen(
             command,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cpq import paths
+from cpq import osutil, paths
 from cpq.timings import TIMINGS_FILE
 
 EXIT_CODES = {"passed": 0, "failed": 1, "error": 2, "skipped": 3}
@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["broker"]:
         # `cpq broker` becomes the broker process itself (same pid): the broker's command line
         # lives in its own folder, which no client module imports (docs/design.md)
-        os.execv(sys.executable, [sys.executable, "-m", "cpq.broker", *argv[1:]])
+        os.execv(sys.executable, osutil.broker_command(*argv[1:]))
     if argv[:1] == ["torchrun"]:  # torchrun's own command line follows, not ours
         from cpq.client import torchrun
 
