@@ -97,7 +97,7 @@ class Prepared:
 def prepare(names: list[str]) -> Prepared | str:
     """Import ``names`` here; what they did, or why this fork cannot serve ("" never)."""
     started_ns = time.time_ns()
-    before, held = dict(os.environ), ahead.held()
+    before, waiting = dict(os.environ), ahead.waiting()
     blame_ = blame.Blame()
     out, err = io.StringIO(), io.StringIO()
     try:
@@ -117,9 +117,6 @@ def prepare(names: list[str]) -> Prepared | str:
     other = {name: why for name, why in blame_.blamed.items() if why != CUDA}
     if other:
         return "; ".join(f"{name} {why}" for name, why in other.items())[:300]
-    taken = sorted(set(held) - set(ahead.held()))
-    if taken:  # its filters and prints went to this fork's capture, not the session's
-        return f"the imports took families held aside: {', '.join(taken)}"
     done = Prepared(list(names))
     done.kept = ahead.Kept(
         {os.fsdecode(k): os.fsdecode(v) for k, v in blame_.environ_set.items()},
@@ -127,6 +124,12 @@ def prepare(names: list[str]) -> Prepared | str:
     )
     done.found = {name: before.get(name) for name in done.kept.environ}
     done.reads = {k: v for k, v in reads.items() if k not in done.kept.environ}
+    # Families held aside that the imports took over (cpq.rank.ahead): their filters were
+    # added inside the record above, and are added again; what they read binds this fork.
+    still = ahead.waiting()
+    for part in {id(p): p for top, p in waiting.items() if top not in still}.values():
+        ahead.refilter(part)
+        done.reads.update(part.reads)
     done.watch = freshness.CodeWatch()
     done.watch.scan(started_ns)
     ahead.say_at_start(list(caught or []))

@@ -47,14 +47,22 @@ import io
 import logging
 import os
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpq.rank import boundary, carryover, freshness, importenv, items, probes, reset, warnfilters
+from cpq.rank import (
+    boundary,
+    carryover,
+    freshness,
+    importenv,
+    items,
+    reset,
+    saved_state,
+    warnfilters,
+)
 
 log = logging.getLogger("cpq.rank")
 
@@ -164,6 +172,11 @@ def held() -> list[str]:
     return sorted(_parts)
 
 
+def waiting() -> dict[str, Part]:
+    """Each top-level name imported ahead and not yet handed over, with its part."""
+    return dict(_parts)
+
+
 def held_modules() -> list[Any]:
     """The modules imported ahead and not yet handed over (out of ``sys.modules``)."""
     parts = {id(part): part for part in _parts.values()}.values()  # a part holds several tops
@@ -180,67 +193,6 @@ def drop(why: str) -> None:
 
 
 # ----------------------------------------------------------------------------- warming
-
-
-@dataclass
-class _Saved:
-    """The process-wide state imports may touch, taken before them."""
-
-    path: list[str]
-    cwd: str
-    environ: dict[str, str]
-    filters: list[Any]
-    switches: dict[str, Any]
-    hooks: dict[str, Any]
-    thread_hook: Any
-    signals: dict[int, Any]
-    threads: set[threading.Thread]
-    root_logger: tuple[int, list[Any]]
-    cuda: bool
-
-    @classmethod
-    def take(cls) -> _Saved:
-        return cls(
-            path=list(sys.path),
-            cwd=os.getcwd(),
-            environ=dict(os.environ),
-            filters=list(warnings.filters),
-            switches=carryover.read_switches(),
-            hooks=probes.sys_hooks(),
-            thread_hook=threading.excepthook,
-            signals=probes.signal_handlers(),
-            threads=set(threading.enumerate()),
-            root_logger=(logging.root.level, list(logging.root.handlers)),
-            cuda=probes.cuda_initialised(),
-        )
-
-    def changed(self, plan: Plan, kept: Kept) -> str:
-        """What the imports did that cannot be put back ("" when nothing); ``kept``: what
-        they did that whoever goes on from here replays."""
-        if sys.path != plan.path + [e for e in kept.path if e not in plan.path]:
-            return "changed sys.path"
-        if dict(os.environ) != {**plan.environ, **kept.environ}:
-            return "changed os.environ"
-        if probes.sys_hooks() != self.hooks or threading.excepthook is not self.thread_hook:
-            return "replaced a sys hook"
-        if probes.signal_handlers() != self.signals:
-            return "installed a signal handler"
-        if set(threading.enumerate()) - self.threads:
-            return "started a thread"
-        if (logging.root.level, list(logging.root.handlers)) != self.root_logger:
-            return "configured the root logger"
-        if probes.cuda_initialised() and not self.cuda:
-            return "initialised CUDA"
-        return ""
-
-    def put_back(self) -> None:
-        sys.path[:] = self.path
-        if os.getcwd() != self.cwd:
-            os.chdir(self.cwd)
-        reset.set_environ(self.environ)
-        warnfilters.put(self.filters)
-        now = carryover.read_switches()
-        carryover.put_switches({n: v for n, v in self.switches.items() if now.get(n) != v})
 
 
 def warm(
@@ -273,7 +225,7 @@ def warm(
     if plan is None:
         return {}
     started = time.perf_counter()
-    saved = _Saved.take()
+    saved = saved_state.Saved.take()
     loaded = set(sys.modules)
     parts: list[Part] = []
     why = ""
@@ -285,10 +237,10 @@ def warm(
             if task_waits():
                 break
             _step(family, parts, after_import)
-            why = "" if after_import is not None else saved.changed(plan, kept)
+            why = "" if after_import is not None else saved.changed(plan.path, plan.environ, kept)
             if why:
                 break
-        why = why or saved.changed(plan, kept)
+        why = why or saved.changed(plan.path, plan.environ, kept)
     except _Refused as refusal:
         why = str(refusal)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plan, never the rank
@@ -516,6 +468,12 @@ def say_staying() -> None:
 def say_at_start(warned: list[Any]) -> None:
     """:func:`say_staying` warns ``warned`` too (a prepared session's: cpq.caller.prepared)."""
     _staying_warned.extend(warned)
+
+
+def refilter(part: Part) -> None:
+    """Add ``part``'s warning filters again (handed over where they were undone after)."""
+    if part.front or part.back:
+        warnfilters.replay(part.front, part.back)
 
 
 def _say(part: Part) -> None:
