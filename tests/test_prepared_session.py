@@ -17,6 +17,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from test_warm_caller import (  # the warm caller's harness: a project, its sessions, its log
     _log,
     _own_then_handed,
@@ -60,10 +61,12 @@ KIND = "hopper" if probe.CAPABILITY >= 9 else "older"
 """
 
 
-def _with_a_module_reading_the_gpu(project: Path, conftest_head: str = "") -> None:
+def _with_a_module_reading_the_gpu(
+    project: Path, conftest_head: str = "", stays_loaded: bool = True
+) -> None:
     package = project / "gpupkg"
     package.mkdir()
-    (package / "__init__.py").write_text(PACKAGE)
+    (package / "__init__.py").write_text(PACKAGE if stays_loaded else "")
     (package / "probe.py").write_text(READS_GPU)
     (package / "kernels.py").write_text(NEEDS_IT)
     conftest = project / "conftest.py"
@@ -81,10 +84,14 @@ def _prepared_sessions(project: Path) -> list[str]:
     return re.findall(r"session (\d+) started \(prepared ahead\)", _log(project))
 
 
+@pytest.mark.parametrize("stays_loaded", [True, False], ids=["family-stays", "family-held"])
 def test_a_module_reading_the_gpu_at_import_is_imported_by_a_session_prepared_ahead(
-    project: Path,
+    project: Path, stays_loaded: bool
 ) -> None:
-    _with_a_module_reading_the_gpu(project)
+    """Whether its family stays loaded in the warm caller (Megatron-LM's on the CPU VM) or
+    is held aside until a session imports it (Megatron-LM's on the GPU host): the prepared
+    session imports it, and takes the family over as the session would."""
+    _with_a_module_reading_the_gpu(project, stays_loaded=stays_loaded)
     own, handed = _own_then_handed(project)
     log = _log(project)
     assert "leaving out gpupkg.probe: its code initialised CUDA, and 1 modules" in log, log

@@ -314,6 +314,10 @@ class _Finder:
     """First in ``sys.meta_path`` during a pass: finds as the finders after it do, and hands
     the import system a loader that brackets the module's execution."""
 
+    #: It asks the other finders: one that asks every finder itself (``ahead._resolve``)
+    #: skips it, or the two would ask each other for ever.
+    delegates_to_meta_path = True
+
     def __init__(self, blame: Blame) -> None:
         self.blame = blame
 

@@ -75,8 +75,12 @@ def to_import(plan_modules: list[str], left_out: wire.LeftOut) -> list[str]:
     the project's sessions are not to be prepared."""
     if left_out.no_prepared or not enabled():
         return []
-    chosen = set(left_out.cuda_only)
-    return [n for n in plan_modules if n in chosen and n.partition(".")[0] in sys.modules]
+    chosen, held = set(left_out.cuda_only), ahead.waiting()
+    return [
+        n
+        for n in plan_modules
+        if n in chosen and (n.partition(".")[0] in sys.modules or n.partition(".")[0] in held)
+    ]
 
 
 # ----------------------------------------------------------------------------- its side

@@ -516,8 +516,11 @@ def _hand_over(part: Part) -> None:
 
 
 def _resolve(top: str) -> tuple[str | None, tuple[str, ...]] | None:
+    """Where a fresh import would find ``top``: the finders after this module's own, but
+    those that ask the others in turn (the warm caller's record, a probe: they would ask
+    this one again)."""
     for finder in list(sys.meta_path):
-        if finder is _FINDER:
+        if finder is _FINDER or getattr(finder, "delegates_to_meta_path", False):
             continue
         find = getattr(finder, "find_spec", None)
         if find is None:

@@ -57,6 +57,8 @@ class _Loader:
 
 
 class _Finder:
+    delegates_to_meta_path = True  # cpq's imports ahead skip it when they resolve a name
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
