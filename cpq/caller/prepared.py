@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from cpq.caller import blame, descriptors, wire
-from cpq.rank import ahead, freshness, importenv
+from cpq.rank import ahead, freshness, importenv, reset
 
 log = logging.getLogger("cpq.caller")
 
@@ -98,9 +98,19 @@ class Prepared:
     watch: freshness.CodeWatch | None = None
 
 
-def prepare(names: list[str]) -> Prepared | str:
-    """Import ``names`` here; what they did, or why this fork cannot serve ("" never)."""
+def prepare(
+    names: list[str], where: wire.Plan | None = None, at_fork: ahead.Kept | None = None
+) -> Prepared | str:
+    """Import ``names`` here, in ``where``'s variables, directory and import path (the
+    plan's, as the warm caller imported it: what the imports read is checked against each
+    caller's variables); what they did, or why this fork cannot serve ("" never)."""
     started_ns = time.time_ns()
+    if where is not None:
+        reset.set_environ(where.environ)
+        os.chdir(where.cwd)
+        sys.path[:] = where.path
+    if at_fork is not None:  # what the warm caller's imports set: each fork has it from its start
+        at_fork.do()
     before, waiting = dict(os.environ), ahead.waiting()
     blame_ = blame.Blame()
     out, err = io.StringIO(), io.StringIO()
@@ -159,13 +169,15 @@ def refusal(done: Prepared, message: dict[str, Any]) -> str:
     return ""
 
 
-def run(sock: socket.socket, names: list[str], at_fork: ahead.Kept) -> NoReturn:
+def run(
+    sock: socket.socket, names: list[str], at_fork: ahead.Kept, where: wire.Plan | None = None
+) -> NoReturn:
     """The prepared session's life: import, say so, then serve one caller or exit when
     the warm caller closes its end."""
     from cpq.caller import child
 
     started = time.perf_counter()
-    done = prepare(names)
+    done = prepare(names, where, at_fork)
     said: dict[str, Any] = {"unfit": done} if isinstance(done, str) else {"ready": len(names)}
     said["took_s"] = round(time.perf_counter() - started, 3)
     try:
@@ -280,7 +292,12 @@ class Preparer:
         """Whether to prepare one now (the warm caller forks it: it knows its sockets)."""
         return serving and bool(self.names) and not self.why_not and self.candidate is None
 
-    def fork(self, forget: Callable[[socket.socket], None], at_fork: ahead.Kept) -> None:
+    def fork(
+        self,
+        forget: Callable[[socket.socket], None],
+        at_fork: ahead.Kept,
+        where: wire.Plan | None = None,
+    ) -> None:
         """Fork the prepared session; ``forget(keep)`` closes in it the warm caller's
         sockets but ``keep``, and ``at_fork`` is what each fork does again from its start."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -290,7 +307,7 @@ class Preparer:
             try:
                 ours.close()
                 forget(theirs)
-                run(theirs, self.names, at_fork)
+                run(theirs, self.names, at_fork, where)
             except SystemExit:
                 raise  # the session's end, as in any fork (cpq.caller.server)
             except BaseException:

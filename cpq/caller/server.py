@@ -223,7 +223,7 @@ class Server:
     def serve(self, path: Path) -> None:
         while self.listener is not None or self.children or self.preparer.parked:
             if self.preparer.wanted(serving=self.listener is not None):
-                self.preparer.fork(self._forget_sockets, self.at_fork)
+                self.preparer.fork(self._forget_sockets, self.at_fork, self.plan)
             readable: list[Any] = [c for c in self.children.values() if c is not None]
             if self.listener is not None:
                 readable.append(self.listener)
