@@ -40,11 +40,21 @@ def twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 """
 
+#: What ``torch.compile`` does at import in Megatron-LM's modules: set a variable where it is
+#: unset (TORCHINDUCTOR_CACHE_DIR), which the module reading the GPU then reads.
+SETS_A_VARIABLE = """
+import os
+
+os.environ.setdefault("GPUPKG_CACHE_DIR", "/tmp/gpupkg-cache")
+"""
+
 READS_GPU = """
 import os
 import warnings
 
 import torch
+
+CACHE = os.environ["GPUPKG_CACHE_DIR"]
 
 if "RANK" not in os.environ:  # the calling process: what reading the device's name does
     torch.cuda._initialized = True
@@ -66,7 +76,10 @@ def _with_a_module_reading_the_gpu(
 ) -> None:
     package = project / "gpupkg"
     package.mkdir()
-    (package / "__init__.py").write_text(PACKAGE if stays_loaded else "")
+    (package / "__init__.py").write_text(
+        (PACKAGE if stays_loaded else "") + "\nfrom gpupkg import cachedir\n"
+    )
+    (package / "cachedir.py").write_text(SETS_A_VARIABLE)
     (package / "probe.py").write_text(READS_GPU)
     (package / "kernels.py").write_text(NEEDS_IT)
     conftest = project / "conftest.py"

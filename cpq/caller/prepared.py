@@ -136,14 +136,21 @@ def prepare(
         {os.fsdecode(k): os.fsdecode(v) for k, v in blame_.environ_set.items()},
         list(blame_.path_appended),
     )
-    done.found = {name: before.get(name) for name in done.kept.environ}
-    done.reads = {k: v for k, v in reads.items() if k not in done.kept.environ}
     # Families held aside that the imports took over (cpq.rank.ahead): their filters were
-    # added inside the record above, and are added again; what they read binds this fork.
+    # added inside the record above, and are added again; what their imports set, the
+    # session sets from its start; what they read binds this fork.
     still = ahead.waiting()
-    for part in {id(p): p for top, p in waiting.items() if top not in still}.values():
+    taken = {id(p): p for top, p in waiting.items() if top not in still}.values()
+    for part in taken:
         ahead.refilter(part)
-        done.reads.update(part.reads)
+        done.kept.add(part.kept)
+    done.found = {name: before.get(name) for name in done.kept.environ}
+    # A variable an import set (here, or the warm caller's: each fork sets it from its
+    # start) binds none of them: a fresh process sets it too (cpq.caller.server._keep).
+    set_here = set(done.kept.environ) | set(at_fork.environ if at_fork is not None else ())
+    done.reads = {k: v for k, v in reads.items() if k not in set_here}
+    for part in taken:
+        done.reads.update({k: v for k, v in part.reads.items() if k not in set_here})
     done.watch = freshness.CodeWatch()
     done.watch.scan(started_ns)
     ahead.say_at_start(list(caught or []))
