@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from test_warm_caller import (  # the warm caller's harness: a project, its sessions, its log
     _log,
-    _own_then_handed,
     _same_output,
     _session,
     _verdicts,
@@ -93,6 +92,14 @@ def _with_a_module_reading_the_gpu(
     )
 
 
+def _wait_until_prepared(project: Path) -> None:
+    """The warm caller's first prepared session says it is ready (its log)."""
+    deadline = time.monotonic() + 120
+    while "a session prepared ahead is ready" not in _log(project):
+        assert time.monotonic() < deadline, _log(project)
+        time.sleep(0.1)  # polling the warm caller's log
+
+
 def _prepared_sessions(project: Path) -> list[str]:
     return re.findall(r"session (\d+) started \(prepared ahead\)", _log(project))
 
@@ -105,7 +112,11 @@ def test_a_module_reading_the_gpu_at_import_is_imported_by_a_session_prepared_ah
     is held aside until a session imports it (Megatron-LM's on the GPU host): the prepared
     session imports it, and takes the family over as the session would."""
     _with_a_module_reading_the_gpu(project, stays_loaded=stays_loaded)
-    own, handed = _own_then_handed(project)
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    _wait_until_prepared(project)
+    own = _session(project, "0", "own")
+    handed = _session(project, "1", "handed")
     log = _log(project)
     assert "leaving out gpupkg.probe: its code initialised CUDA, and 1 modules" in log, log
     prepared = _prepared_sessions(project)
@@ -138,6 +149,7 @@ def test_a_session_whose_conftest_changes_a_cuda_variable_fails_closed_and_the_n
     )
     _session(project, "1", "first")
     _wait_until_served_by_a_warm_caller(project)
+    _wait_until_prepared(project)
     failed = _session(project, "1", "failed")
     assert len(_prepared_sessions(project)) == 1, _log(project)
     assert failed.returncode == 4, failed.stdout + failed.stderr
@@ -160,10 +172,7 @@ def test_an_edit_to_a_module_the_prepared_session_imported_is_seen(project: Path
     _with_a_module_reading_the_gpu(project)
     _session(project, "1", "first")
     _wait_until_served_by_a_warm_caller(project)
-    deadline = time.monotonic() + 60
-    while "a session prepared ahead is ready" not in _log(project):
-        assert time.monotonic() < deadline, _log(project)
-        time.sleep(0.1)  # polling the warm caller's log
+    _wait_until_prepared(project)
     kernels = project / "gpupkg" / "kernels.py"
     kernels.write_text(kernels.read_text().replace(">= 9", ">= 10"))  # now "older"
     edited = _session(project, "1", "edited")

@@ -32,6 +32,7 @@ import importlib
 import io
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from cpq.caller import blame, descriptors, wire
-from cpq.rank import ahead, freshness, importenv, reset
+from cpq.rank import ahead, freshness, importenv, reset, warnfilters
 
 log = logging.getLogger("cpq.caller")
 
@@ -69,10 +70,9 @@ def cuda_only(blame_: blame.Blame) -> list[str]:
 
 def to_import(plan_modules: list[str], left_out: wire.LeftOut) -> list[str]:
     """What a session prepared ahead imports: the plan's modules left out only for CUDA,
-    in the plan's order, of families that stay loaded in the warm caller (Megatron-LM's,
-    which registers torch operators); a family held aside (:mod:`cpq.rank.ahead`) is put
-    back when the session imports it, which a prepared session would do before. None when
-    the project's sessions are not to be prepared."""
+    in the plan's order, of families loaded in the warm caller or held aside there
+    (:mod:`cpq.rank.ahead`: the prepared imports take such a family over as the session
+    would). Empty when the project's sessions are not to be prepared."""
     if left_out.no_prepared or not enabled():
         return []
     chosen, held = set(left_out.cuda_only), ahead.waiting()
@@ -122,11 +122,16 @@ def prepare(
             stack.enter_context(contextlib.redirect_stderr(err))
             stack.enter_context(blame_.watching())
             warnings.simplefilter("always")  # every warning, said again under the session's
+            filters = list(warnings.filters)
             for name in names:
                 importlib.import_module(name)
                 blame_.look(fallback=name)
+            added = warnfilters.delta(filters, list(warnings.filters))
     except BaseException as exc:  # SystemExit too: this fork, never the warm caller
         return f"importing failed: {type(exc).__name__}: {str(exc)[:200]}"
+    if added is None:
+        return "the imports changed the warning filters other than by adding to them"
+    warnfilters.replay(*added)  # the record's capture undid them; a fresh process keeps them
     blame_.unwrap(list(sys.modules.values()))
     other = {name: why for name, why in blame_.blamed.items() if why != CUDA}
     if other:
@@ -140,7 +145,11 @@ def prepare(
     # added inside the record above, and are added again; what their imports set, the
     # session sets from its start; what they read binds this fork.
     still = ahead.waiting()
-    taken = {id(p): p for top, p in waiting.items() if top not in still}.values()
+    taken = {
+        id(p): p
+        for top, p in waiting.items()
+        if top not in still and sys.modules.get(top) is p.detached.modules.get(top)
+    }.values()  # handed over; not dropped as stale (then the imports loaded them afresh)
     for part in taken:
         ahead.refilter(part)
         done.kept.add(part.kept)
@@ -206,10 +215,16 @@ def run(
                 os._exit(0)  # stale for every caller: the warm caller prepares none again
             continue
         wire.send(sock, {"taken": True})
-        message["prepared"] = len(names)
         kept = ahead.Kept()
         kept.add(at_fork)
         kept.add(done.kept)
+        # What the session checks once its conftests ran (cpq.client.handoff): the
+        # variables it starts with, and what the prepared imports read.
+        message["prepared"] = {
+            "modules": len(names),
+            "environ": {**message["environ"], **kept.environ},
+            "reads": done.reads,
+        }
         gc.freeze()  # as before a fork: the session's collections skip what is here
         child.become(message, fds, sock, kept)
 
@@ -249,13 +264,15 @@ class Candidate:
 
     def offer(self, message: dict[str, Any], fds: list[int]) -> str:
         """Offer it the caller: "" when it took it, else why not (it stays ready when it
-        refused; the warm caller forks for that caller)."""
+        refused; the warm caller forks for that caller). One that does not answer is
+        killed first: it may have taken the caller, which must not get two sessions."""
         try:
             wire.send(self.sock, message, fds)
             self.sock.settimeout(ANSWER_S)
             answer, _ = wire.recv(self.sock)
         except (OSError, wire.WireError) as exc:
             self.ready = False
+            self.kill()
             return f"it did not answer: {exc}"
         finally:
             with contextlib.suppress(OSError):
@@ -271,6 +288,11 @@ class Candidate:
         """Its end closes: a prepared session nobody took exits."""
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def kill(self) -> None:
+        """End it now (one not taken: hung, slow, or silent)."""
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
 
 
 #: A caller checked and waiting for the session being prepared: its connection, request
@@ -307,9 +329,14 @@ class Preparer:
     ) -> None:
         """Fork the prepared session; ``forget(keep)`` closes in it the warm caller's
         sockets but ``keep``, and ``at_fork`` is what each fork does again from its start."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        gc.freeze()  # as before each fork of the warm caller's
-        pid = os.fork()
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            gc.freeze()  # as before each fork of the warm caller's
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: the warm caller serves on
+            self.why_not = f"it could not be forked: {exc}"
+            log.info("no session prepared ahead: %s", self.why_not)
+            return
         if pid == 0:  # prepares, then becomes a calling process or exits: never returns
             try:
                 ours.close()
@@ -340,21 +367,24 @@ class Preparer:
         self.drop(f"it exited (wait status {status})")
         return True
 
-    def drop(self, why: str, for_good: bool = True) -> None:
+    def drop(self, why: str, for_good: bool = True, taken: bool = False) -> None:
         """The prepared session cannot serve (``why``; "" when it still may): close its
-        end (it exits) and, ``for_good``, prepare none again in this process."""
+        end and, unless it was ``taken`` (it is a caller's session now), end it; and,
+        ``for_good``, prepare none again in this process."""
         if not why or self.candidate is None:
             return
         if for_good:
             log.info("no session prepared ahead any more: %s", why)
             self.why_not = why
         self.candidate.close()
+        if not taken:
+            self.candidate.kill()
         self.candidate = None
 
     def park(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> bool:
         """Let the caller wait for the session being prepared (False: none is)."""
-        if self.candidate is None or self.candidate.ready:
-            return False
+        if self.candidate is None or self.candidate.ready or self.parked:
+            return False  # one caller waits for it; the next ones would wait for nothing
         self.parked.append((conn, message, fds, self.clock() + PARK_S))
         return True
 
@@ -364,6 +394,8 @@ class Preparer:
         now, ready = self.clock(), self.candidate is None or self.candidate.ready
         due = [each for each in self.parked if ready or each[3] <= now]
         self.parked = [each for each in self.parked if each not in due]
+        if due and not ready:  # it took longer than a session's own imports would
+            self.drop(f"not ready after {PARK_S:.0f} s")
         return due
 
     def take(self, message: dict[str, Any], fds: list[int]) -> int | None:
@@ -384,5 +416,5 @@ class Preparer:
             elif not candidate.ready:
                 self.drop(why)
             return None
-        self.drop("taken", for_good=False)  # it became the calling process
+        self.drop("taken", for_good=False, taken=True)  # it became the calling process
         return candidate.pid

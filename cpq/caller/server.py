@@ -377,7 +377,7 @@ class Server:
                 self.children[pid] = None
 
     def _reap(self) -> None:
-        while self.children:
+        while self.children or self.preparer.candidate is not None:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -401,6 +401,10 @@ class Server:
             self.listener.close()
         for candidate in self.preparer.sockets():
             candidate.close()
+        for waiting, _, fds, _ in self.preparer.parked:  # another caller's
+            waiting.close()
+            for fd in fds:
+                os.close(fd)
         for conn in self.children.values():
             if conn is not None and conn is not keep:
                 conn.close()

@@ -167,27 +167,31 @@ def at_session_start(config: Any) -> None:
 
 
 def _check_prepared() -> None:
-    """A session prepared ahead (:mod:`cpq.caller.prepared`) initialised CUDA under the
-    caller's ``CUDA_*`` variables: one whose conftests changed one would run on other
-    devices than a fresh process — fail it, and prepare none of the project's again."""
+    """A session prepared ahead (:mod:`cpq.caller.prepared`) imported modules before this
+    session's conftests ran, with CUDA initialised under the variables the session started
+    with: one whose conftests changed a ``CUDA_`` variable, or a variable those imports
+    read, would import them otherwise in a fresh process (other devices, other settings) —
+    fail it, and prepare none of the project's sessions again."""
     served = _served()
-    if served is None or not served.get("prepared") or not _start:
+    prepared = served.get("prepared") if served is not None else None
+    if not isinstance(prepared, dict):
         return
-    theirs = served["environ"]
+    started, reads = prepared.get("environ") or {}, prepared.get("reads") or {}
     changed = sorted(
         name
-        for name in set(os.environ) | set(theirs)
-        if name.startswith("CUDA_") and os.environ.get(name) != theirs.get(name)
-    )
+        for name in set(os.environ) | set(started)
+        if name.startswith("CUDA_") and os.environ.get(name) != started.get(name)
+    ) or sorted(name for name, value in reads.items() if os.environ.get(name) != value)
     if not changed:
         return
-    why = f"the session changed {changed[0]} after a session prepared ahead initialised CUDA"
-    with contextlib.suppress(OSError):
-        wire.no_prepared(_start["key"], why)
+    why = f"the session changed {changed[0]} after a session prepared ahead imported with it"
+    if "key" in _start:
+        with contextlib.suppress(OSError):
+            wire.no_prepared(_start["key"], why)
     import pytest
 
     raise pytest.UsageError(
-        f"cpq: {why}; the session would not run on the devices a fresh process uses. "
+        f"cpq: {why}; the session would not run as a fresh process would. "
         "Run it again: this project's sessions are no longer prepared ahead."
     )
 

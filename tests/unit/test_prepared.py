@@ -5,8 +5,10 @@ tests/test_prepared_session.py."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,10 @@ def test_the_left_out_file_keeps_what_may_be_prepared(
     assert wire.read_left_out("k") == wire.LeftOut()  # a file of before: nothing prepared
 
 
+#: A pid no process has (above Linux's pid_max): a fake prepared session "killed" is nobody.
+NO_PID = 99_999_999
+
+
 class _Prepared:
     """The prepared process's end of the socket pair, driven by the test."""
 
@@ -82,7 +88,7 @@ class _Prepared:
 
     def preparer(self) -> prepared.Preparer:
         preparer = prepared.Preparer(["pkg.probe"])
-        preparer.started(4242, self.ours)
+        preparer.started(NO_PID, self.ours)
         return preparer
 
 
@@ -102,13 +108,16 @@ def test_a_caller_waits_for_the_session_being_prepared_until_it_is_ready() -> No
 def test_a_caller_waits_no_longer_than_park_s() -> None:
     now = [100.0]
     preparer = prepared.Preparer(["pkg.probe"], clock=lambda: now[0])
-    preparer.started(4242, _Prepared().ours)
+    preparer.started(NO_PID, _Prepared().ours)
     caller, _ = socket.socketpair()
     preparer.park(caller, {}, [])
     now[0] += prepared.PARK_S - 0.1
     assert preparer.due() == []
     now[0] += 0.2
     assert len(preparer.due()) == 1
+    # slower than a session's own imports would be: not prepared again by this warm caller
+    assert preparer.why_not == f"not ready after {prepared.PARK_S:.0f} s"
+    assert preparer.candidate is None
 
 
 def test_an_unfit_prepared_session_is_dropped_for_good_and_its_callers_served() -> None:
@@ -126,8 +135,16 @@ def test_an_unfit_prepared_session_is_dropped_for_good_and_its_callers_served() 
 def test_a_prepared_session_that_exits_is_not_prepared_again() -> None:
     preparer = _Prepared().preparer()
     assert not preparer.reaped(1, 0)
-    assert preparer.reaped(4242, 9)
+    assert preparer.reaped(NO_PID, 9)
     assert preparer.why_not == "it exited (wait status 9)"
+
+
+def test_one_caller_waits_for_the_session_being_prepared_and_the_next_is_forked() -> None:
+    preparer = _Prepared().preparer()
+    first, _ = socket.socketpair()
+    second, _ = socket.socketpair()
+    assert preparer.park(first, {}, [])
+    assert not preparer.park(second, {}, [])  # it would wait for nothing: served at once
 
 
 def test_the_ready_session_takes_a_caller_or_refuses_it() -> None:
@@ -141,7 +158,7 @@ def test_the_ready_session_takes_a_caller_or_refuses_it() -> None:
     offered, _ = wire.recv(fake.theirs)
     assert offered is not None and offered["argv"] == ["pytest"]
     wire.send(fake.theirs, {"taken": True})
-    assert preparer.take({"argv": ["pytest"]}, []) == 4242
+    assert preparer.take({"argv": ["pytest"]}, []) == NO_PID
     assert preparer.candidate is None and preparer.why_not == ""
     assert preparer.wanted(serving=True)  # the next one is prepared
 
@@ -153,10 +170,46 @@ def test_a_project_whose_session_stopped_preparing_gets_a_fork(
     wire.folder().mkdir(parents=True, exist_ok=True)
     fake = _Prepared()
     preparer = prepared.Preparer(["pkg.probe"], key="k")
-    preparer.started(4242, fake.ours)
+    preparer.started(NO_PID, fake.ours)
     wire.send(fake.theirs, {"ready": 1})
     preparer.heard()
     wire.no_prepared("k", "the session changed CUDA_VISIBLE_DEVICES")
     assert preparer.take({"argv": ["pytest"]}, []) is None
     assert preparer.why_not == "the session changed CUDA_VISIBLE_DEVICES"
     assert not preparer.wanted(serving=True)
+
+
+def test_what_the_prepared_imports_read_set_and_filtered_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process: a module that reads a variable, sets another, and adds a warning filter
+    at import. The filter stays (the record's capture had undone it: a fresh process keeps
+    it), the variable set is the session's from its start and binds nothing, and a caller
+    is refused for a read or a set variable of another value."""
+    (tmp_path / "prepmod_filters.py").write_text(
+        "import os, warnings\n"
+        "MODE = os.environ.get('PREPMOD_MODE')\n"
+        "os.environ.setdefault('PREPMOD_CACHE', '/tmp/prepmod')\n"
+        "warnings.filterwarnings('ignore', message='prepmod says')\n"
+    )
+    os.utime(tmp_path / "prepmod_filters.py", (1e9, 1e9))  # written long before it is imported
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PREPMOD_MODE", "fast")
+    monkeypatch.delenv("PREPMOD_CACHE", raising=False)
+    with warnings.catch_warnings():
+        done = prepared.prepare(["prepmod_filters"])
+        assert not isinstance(done, str), done
+        assert any(f[1] is not None and f[1].pattern == "prepmod says" for f in warnings.filters)
+    sys.modules.pop("prepmod_filters", None)
+    # what imports read is recorded where the warm caller installed its watch on os.environ
+    # (cpq.rank.importenv.install, its first act); here, as it would have recorded it:
+    done.reads["PREPMOD_MODE"] = "fast"
+    assert "PREPMOD_CACHE" not in done.reads
+    assert done.kept.environ["PREPMOD_CACHE"] == "/tmp/prepmod"
+    assert done.found == {"PREPMOD_CACHE": None}
+    caller = {"environ": {"PREPMOD_MODE": "fast"}}
+    assert prepared.refusal(done, caller) == ""
+    assert "read PREPMOD_MODE" in prepared.refusal(done, {"environ": {"PREPMOD_MODE": "slow"}})
+    assert "set PREPMOD_CACHE" in prepared.refusal(
+        done, {"environ": {"PREPMOD_MODE": "fast", "PREPMOD_CACHE": "/elsewhere"}}
+    )
