@@ -17,10 +17,11 @@ fork does (:func:`cpq.caller.child.become`). The warm caller then prepares the n
 What differs from a fresh process, and is checked or accepted: CUDA is initialised from
 the session's start rather than when its conftests import those modules — under the same
 start variables (``CUDA_*`` are the warm caller's, checked equal to the caller's); a
-session whose conftests then change a ``CUDA_`` variable fails with a usage error instead of
-running on the wrong devices, and the project's sessions are not prepared ahead again
-(``cpq.client.handoff``). What those imports warned is warned again where the conftests'
-imports warn (as for modules that stay loaded); what they printed is not said again.
+session whose conftests then change a ``CUDA_`` variable, or one those imports read, fails
+with a usage error instead of running on other devices or settings, and the project's
+sessions are not prepared ahead again (``cpq.client.handoff``). What those imports
+warned is warned again where the conftests' imports warn (as for modules that stay
+loaded); what they printed is not said again.
 ``CPQ_PREPARE_AHEAD=0`` turns it off.
 """
 
