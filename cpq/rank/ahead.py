@@ -169,7 +169,7 @@ def pending() -> bool:
 
 def held() -> list[str]:
     """The top-level names imported ahead and not yet handed over (for the log, tests)."""
-    return sorted(_parts)
+    return sorted(waiting())
 
 
 def waiting() -> dict[str, Part]:
@@ -507,8 +507,7 @@ def _hand_over(part: Part) -> None:
     if not _parts and _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     boundary.attach(part.detached)
-    if part.front or part.back:
-        warnfilters.replay(part.front, part.back)
+    refilter(part)
     carryover.put_switches(part.switches)
     part.kept.do()
     importenv.adopt(part.reads)
