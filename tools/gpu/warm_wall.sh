@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Where a handed-over (warm) session's wall goes, on the one-GPU host: one broker, a cold
+# `pytest --cpq-world-size 1` session over the staged Megatron-LM subset, then WARM_RUNS (3)
+# warm ones, every pytest process with the hook-time probe (tools/gpu/hooktime.py). Prints
+# each session's wall and its steps (seconds from the calling process's start); the probe's
+# log, the warm caller's log and the broker's logs go to $OUT. No fresh run here: the
+# warm ÷ fresh ratio is megatron_check.sh's. From the repo root; carry .megatron and .whl.
+set -uo pipefail
+PROJ=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SITE=/tmp/site MSITE=/tmp/msite
+python3 -m pip install -q --no-index --no-deps --target "$MSITE" .megatron/.whl/*.whl > /dev/null 2>&1
+PYTHONPATH=$SITE python3 -c 'import zmq' 2>/dev/null ||
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/pyzmq-*.whl > /dev/null 2>&1
+cp tools/gpu/hooktime.py "$SITE/"
+export PYTHONPATH=$SITE:$MSITE:$PROJ:$PROJ/.megatron/src
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 \
+  https_proxy=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9
+export HOOKTIME_LOG=$OUT/ht.log PYTEST_ADDOPTS="-p hooktime"
+export CPQ_STATE_DIR
+CPQ_STATE_DIR=$(mktemp -d /tmp/wall-state.XXXXXX)
+chmod 700 "$CPQ_STATE_DIR"
+cd .megatron/src || exit 3
+python3 -m cpq broker --gpus auto --log-dir "$OUT/broker" > "$OUT/broker.out" 2>&1 &
+for _ in $(seq 1 120); do python3 -m cpq status --json > /dev/null 2>&1 && break; sleep 0.5; done
+FILES=(tests/unit_tests/test_parallel_state.py tests/unit_tests/tensor_parallel
+  tests/unit_tests/distributed/test_param_and_grad_buffer.py tests/unit_tests/transformer/test_mlp.py
+  tests/unit_tests/transformer/test_module.py tests/unit_tests/transformer/test_rope.py
+  tests/unit_tests/transformer/test_relative_attention.py tests/unit_tests/transformer/test_spec_utils.py
+  tests/unit_tests/fusions/test_torch_softmax.py tests/unit_tests/models/test_base_embedding.py
+  tests/unit_tests/models/test_multimodal_projector.py)
+for i in cold $(seq 1 "${WARM_RUNS:-3}"); do
+  echo "=== session $i" >> "$HOOKTIME_LOG"
+  t0=$(date +%s.%N)
+  python3 -m pytest -p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q "${FILES[@]}" \
+    > "$OUT/session-$i.log" 2>&1
+  t1=$(date +%s.%N)
+  echo "session $i: wall $(python3 -c "print(round($t1 - $t0, 2))") s :: $(tail -1 "$OUT/session-$i.log")"
+  echo "=== wall $t0 $t1" >> "$HOOKTIME_LOG"
+  sleep "${PAUSE:-6}"  # a pause as between a developer's runs: the next prepared session gets ready
+done
+cp -r "$CPQ_STATE_DIR/callers" "$OUT/" 2>/dev/null
+python3 -m cpq stop > /dev/null 2>&1
+grep -h "cpq.caller" "$OUT"/callers/*.log | grep -E "started|refus|ready|ended" | cut -c1-140
