@@ -171,6 +171,11 @@ def test_skipif_reads_the_ranks_world_size():
     assert dist.get_world_size() == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU node: cpq assigns the GPUs")
+def test_gpus_as_the_shell_left_them():
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # unset in the shell, as fresh
+
+
 class TestSetupMethod:
     def setup_method(self):
         self.rank = dist.get_rank()
@@ -221,6 +226,7 @@ filterwarnings =
 @pytest.fixture
 def project(pytester: pytest.Pytester, broker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
     project_session(monkeypatch, broker, pytester.path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_plain=PLAIN, test_marked=MARKED, verdicts=VERDICTS_PLUGIN)
     pytester.makeini(INI)
@@ -252,7 +258,7 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
     assert reference["test_plain.py::test_ini_filter_makes_deprecation_an_error"] == "failed"
     assert reference["test_plain.py::test_tmp_path"] == "passed"
     assert reference["test_plain.py::test_skipif_reads_the_ranks_world_size"] == "passed"
-    assert len(reference) == 25, reference
+    assert len(reference) == 26, reference
 
     for session in ("cold", "warm"):
         run = run_with_verdicts(
@@ -281,7 +287,7 @@ def test_a_torchrun_suite_gives_the_fresh_runs_verdicts(project: Path) -> None:
         assert all(ref == got for ref, got in statuses.values()), statuses
         # pytest's own assertion detail, from the rank that failed
         assert "At index 1 diff: 2 != 3" in run.stdout
-        assert "cpq: 25 task(s)" in run.stdout
+        assert "cpq: 26 task(s)" in run.stdout
 
     # A module marker alone (no --cpq-world-size): the marked tests, the same verdicts.
     run = run_with_verdicts(

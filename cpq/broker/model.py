@@ -29,6 +29,9 @@ class GroupProcess(Protocol):
     rank_pids: set[int]
     #: Lease descriptors its processes inherit (:mod:`cpq.broker.leases`).
     lease_fds: list[int]
+    #: This node has GPUs the broker assigns: a group given none of them is kept off them
+    #: (``CUDA_VISIBLE_DEVICES=""``); on a node without any, its ranks see the caller's value.
+    node_gpus: bool
 
     @property
     def pid(self) -> int | None: ...

@@ -181,6 +181,7 @@ class Pools:
         )
         if self.leases is not None:
             process.lease_fds = self.leases.fds(gpus)
+        process.node_gpus = bool(self.config.gpus)
         group = Group(
             group_id,
             spec,

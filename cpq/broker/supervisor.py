@@ -54,6 +54,7 @@ class GroupProcess:
         self.backend = backend
         self.gpus = gpus
         self.token = secrets.token_hex(16)
+        self.node_gpus = True  # set by the pools from the broker's inventory
         self.backend_endpoint = backend_endpoint
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
@@ -75,7 +76,7 @@ class GroupProcess:
         if os.environ.get(spin.SPIN_ENV):  # the broker's spinning is its ranks' (cpq.spin)
             env[spin.SPIN_ENV] = os.environ[spin.SPIN_ENV]
         env.update(dict(self.spec.env))
-        env.pop(environ.GPU_VAR, None)  # the caller's value narrowed the GPUs; ours are below
+        callers_gpus = env.pop(environ.GPU_VAR, None)  # it narrowed the GPUs; ours are below
         env.update(protocol.MULTICAST_OFF_ENV)  # never multicast, whatever the caller says
         env.update(
             {
@@ -88,11 +89,14 @@ class GroupProcess:
                 "CPQ_ROOTS": os.pathsep.join(self.spec.roots),
                 "CPQ_LOG_DIR": str(self.log_dir),
                 protocol.FEATURES_ENV: ",".join(sorted(protocol.ALL_FEATURES)),  # what we read
-                environ.GPU_VAR: ",".join(self.gpus),
                 LEASE_FDS_VAR: lease_fds_value(self.lease_fds),
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.gpus or self.node_gpus:  # the broker's to assign; "" keeps a group off them
+            env[environ.GPU_VAR] = ",".join(self.gpus)
+        elif callers_gpus is not None:  # a node without GPUs: what a fresh rank would see
+            env[environ.GPU_VAR] = callers_gpus
         if self.spec.world_size > 1 and "OMP_NUM_THREADS" not in env:
             # torchrun's own default for more than one rank per node when the caller sets
             # none (its agent inside the group sets it too); a single rank keeps torch's.

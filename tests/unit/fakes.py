@@ -96,6 +96,7 @@ class FakeProcess:
         self.gpus = gpus
         self.rank_pids: set[int] = set()
         self.lease_fds: list[int] = []
+        self.node_gpus = True
         self.code: int | None = None
         self.terminated_with: float | None = None
         self.gone_after_terminate = True
