@@ -14,11 +14,14 @@ not, as the ranks' own CUDA is theirs.
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from test_warm_caller import (  # the warm caller's harness: a project, its sessions, its log
+    PYTEST,
+    _env,
     _log,
     _same_output,
     _session,
@@ -187,3 +190,67 @@ def test_an_edit_to_a_module_the_prepared_session_imported_is_seen(project: Path
     again = _session(project, "1", "again")
     assert len(_prepared_sessions(project)) == 1, _log(project)
     assert (again.returncode, _verdicts(project, "again")) == (own.returncode, verdicts)
+
+
+#: A barrier in the module that reads the GPU: while ``hold`` exists beside it, its import
+#: in a calling process waits (a slow import, as on a busy host), so a caller comes while
+#: the session prepared ahead is still importing.
+HOLDS = """
+import os as _os
+import time as _time
+
+_hold = _os.path.join(_os.path.dirname(__file__), "hold")
+while "RANK" not in _os.environ and _os.path.exists(_hold):
+    _time.sleep(0.05)
+"""
+
+
+def test_a_caller_that_waited_for_the_prepared_session_sees_an_edit_made_meanwhile(
+    project: Path,
+) -> None:
+    """A caller came while the next session was being prepared, and waited for it; a file
+    the warm caller had imported was edited meanwhile. The prepared session refuses it
+    (stale), and the warm caller, which checked the caller when it came, checks it again
+    before it forks for it: the session imports the edited file, as a fresh one does."""
+    _with_a_module_reading_the_gpu(project)
+    probe = project / "gpupkg" / "probe.py"
+    probe.write_text(HOLDS + probe.read_text())
+    (project / "gpupkg" / "cachedir.py").write_text(SETS_A_VARIABLE + "LEVEL = 1\n")
+    # What the calling process itself reads of it: the exit status its conftest gives.
+    conftest = project / "conftest.py"
+    conftest.write_text(
+        conftest.read_text() + "\n\ndef pytest_sessionfinish(session):\n"
+        "    from gpupkg import cachedir\n\n"
+        "    if cachedir.LEVEL != 1:\n"
+        "        session.exitstatus = 3\n"
+    )
+    _session(project, "1", "first")
+    _wait_until_served_by_a_warm_caller(project)
+    _wait_until_prepared(project)
+    hold = project / "gpupkg" / "hold"
+    hold.touch()
+    _session(project, "1", "taken")  # by the first prepared session; the next one waits
+    assert len(_prepared_sessions(project)) == 1, _log(project)
+    with subprocess.Popen(
+        [*PYTEST, f"--junitxml={project.parent / 'waited'}.xml", "-rA"],
+        cwd=project,
+        env=_env(project, "1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as waited:
+        deadline = time.monotonic() + 60
+        while "a caller waits for the session being prepared" not in _log(project):
+            assert waited.poll() is None and time.monotonic() < deadline, _log(project)
+            time.sleep(0.05)  # polling the warm caller's log
+        cachedir = project / "gpupkg" / "cachedir.py"
+        cachedir.write_text(cachedir.read_text().replace("LEVEL = 1", "LEVEL = 2"))
+        hold.unlink()
+        output, _ = waited.communicate(timeout=300)
+    own = _session(project, "0", "own")
+    assert own.returncode == 3, own.stdout
+    assert (waited.returncode, _verdicts(project, "waited")) == (
+        own.returncode,
+        _verdicts(project, "own"),
+    ), output
+    assert len(_prepared_sessions(project)) == 1, _log(project)  # the waiting one was not

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from cpq.caller import blame, descriptors, wire
+from cpq.caller import blame, descriptors, fit, wire
 from cpq.rank import ahead, freshness, importenv, reset, warnfilters
 
 log = logging.getLogger("cpq.caller")
@@ -167,23 +167,22 @@ def prepare(
     return done
 
 
-_STALE = " changed since it was imported"
+@dataclass
+class Refusal:
+    """Why a prepared session cannot be a caller's; ``stale``: a file its code came from
+    changed, so it cannot be any caller's (it exits, and the next one imports the edit)."""
+
+    why: str = ""
+    stale: bool = False
 
 
-def refusal(done: Prepared, message: dict[str, Any]) -> str:
-    """Why this prepared session cannot be ``message``'s caller ("" when it can)."""
+def refusal(done: Prepared, message: dict[str, Any]) -> Refusal:
+    """Why this prepared session cannot be ``message``'s caller (``why`` "" when it can)."""
     if done.watch is not None:
         changed = done.watch.changed()
         if changed:
-            return f"{changed}{_STALE}"
-    theirs = message["environ"]
-    for name, value in done.reads.items():
-        if theirs.get(name) != value:
-            return f"its imports read {name}, which differs for this session"
-    for name, value in done.found.items():
-        if theirs.get(name) != value:
-            return f"its imports set {name}, which this session has otherwise"
-    return ""
+            return Refusal(f"{changed} changed since it was imported", stale=True)
+    return Refusal(fit.misfit(message["environ"], done.reads, done.found))
 
 
 def run(
@@ -207,12 +206,12 @@ def run(
         message, fds = wire.recv(sock, maxfds=descriptors.TOP + 1)
         if message is None:
             os._exit(0)  # the warm caller closed: nobody will come
-        why = refusal(done, message)
-        if why:
+        refused = refusal(done, message)
+        if refused.why:
             for fd in fds:
                 os.close(fd)
-            wire.send(sock, {"refused": why})
-            if why.endswith(_STALE):
+            wire.send(sock, {"refused": refused.why, "stale": refused.stale})
+            if refused.stale:
                 os._exit(0)  # stale for every caller: the warm caller prepares none again
             continue
         wire.send(sock, {"taken": True})
@@ -263,10 +262,11 @@ class Candidate:
             return ""
         return str(message.get("unfit") or f"it said {sorted(message)}")
 
-    def offer(self, message: dict[str, Any], fds: list[int]) -> str:
-        """Offer it the caller: "" when it took it, else why not (it stays ready when it
-        refused; the warm caller forks for that caller). One that does not answer is
-        killed first: it may have taken the caller, which must not get two sessions."""
+    def offer(self, message: dict[str, Any], fds: list[int]) -> Refusal:
+        """Offer it the caller: no ``why`` when it took it, else why not (it stays ready
+        when it refused a caller it does not fit; the warm caller forks for that caller).
+        One that does not answer is killed first: it may have taken the caller, which must
+        not get two sessions."""
         try:
             wire.send(self.sock, message, fds)
             self.sock.settimeout(ANSWER_S)
@@ -274,16 +274,17 @@ class Candidate:
         except (OSError, wire.WireError) as exc:
             self.ready = False
             self.kill()
-            return f"it did not answer: {exc}"
+            return Refusal(f"it did not answer: {exc}")
         finally:
             with contextlib.suppress(OSError):
                 self.sock.settimeout(None)
         if answer is None:
             self.ready = False
-            return "it exited"
+            return Refusal("it exited")
         if answer.get("taken") is True:
-            return ""
-        return str(answer.get("refused") or f"it said {sorted(answer)}")
+            return Refusal()
+        why = str(answer.get("refused") or f"it said {sorted(answer)}")
+        return Refusal(why, stale=answer.get("stale") is True)
 
     def close(self) -> None:
         """Its end closes: a prepared session nobody took exits."""
@@ -409,13 +410,13 @@ class Preparer:
         if stopped:  # a session found its CUDA variables changed (cpq.client.handoff)
             self.drop(stopped)
             return None
-        why = candidate.offer(message, fds)
-        if why:
-            log.info("the session prepared ahead did not take a caller: %s", why)
-            if why.endswith(_STALE):  # it exits; the next one imports the edited files
-                self.drop(why, for_good=False)
+        refused = candidate.offer(message, fds)
+        if refused.why:
+            log.info("the session prepared ahead did not take a caller: %s", refused.why)
+            if refused.stale:  # it exits; the next one imports the edited files
+                self.drop(refused.why, for_good=False)
             elif not candidate.ready:
-                self.drop(why)
+                self.drop(refused.why)
             return None
         self.drop("taken", for_good=False, taken=True)  # it became the calling process
         return candidate.pid

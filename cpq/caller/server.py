@@ -34,27 +34,18 @@ import select
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from cpq import environ
-from cpq.caller import blame, descriptors, prepared, wire
-from cpq.rank import ahead, boundary, freshness, importenv, probes
+from cpq.caller import blame, descriptors, fit, prepared, wire
+from cpq.caller.fit import Refused
+from cpq.rank import ahead, boundary, freshness, importenv
 
 log = logging.getLogger("cpq.caller")
 
 _TICK_S = 0.5
-
-
-class Refused(Exception):
-    """Why a request is not served; ``fatal``: this process no longer serves anyone."""
-
-    def __init__(self, why: str, fatal: bool = False) -> None:
-        super().__init__(why)
-        self.fatal = fatal
 
 
 class Server:
@@ -238,7 +229,7 @@ class Server:
                     self._caller_gone(sock)
             self._reap()
             for conn, message, fds, _ in self.preparer.due():
-                self._serve_one(conn, message, fds)
+                self._admit(conn, message, fds, may_wait=False)
             why = self.closing or self._why_close(path)
             if why and self.listener is not None:
                 log.info("closing: %s", why)
@@ -277,9 +268,21 @@ class Server:
         fds: list[int] = []
         try:
             message, fds = wire.recv(conn, maxfds=descriptors.TOP + 1)
-            if message is None:
-                conn.close()
-                return
+        except Exception as exc:  # one request's trouble, never the others' sessions
+            self._refuse(conn, fds, f"{type(exc).__name__}: {exc}", False)
+            return
+        if message is None:
+            conn.close()
+            return
+        self._admit(conn, message, fds, may_wait=True)
+
+    def _admit(
+        self, conn: socket.socket, message: dict[str, Any], fds: list[int], may_wait: bool
+    ) -> None:
+        """Check the caller, then serve it, or let it wait for the session being prepared
+        (``may_wait``). One that waited is checked again before it is served: a file may
+        have changed meanwhile, and a fork would start with the old code."""
+        try:
             self._check(message, fds)
         except Refused as refused:
             self._refuse(conn, fds, str(refused), refused.fatal)
@@ -287,8 +290,12 @@ class Server:
         except Exception as exc:  # one request's trouble, never the others' sessions
             self._refuse(conn, fds, f"{type(exc).__name__}: {exc}", False)
             return
-        if not self.preparer.park(conn, message, fds):
-            self._serve_one(conn, message, fds)
+        if may_wait and self.preparer.park(conn, message, fds):
+            log.info(
+                "a caller waits for the session being prepared (%.0f s at most)", prepared.PARK_S
+            )
+            return
+        self._serve_one(conn, message, fds)
 
     def _serve_one(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
         """Run the checked caller's session: the session prepared ahead takes it, or a
@@ -342,27 +349,8 @@ class Server:
             self.closing = why
 
     def _check(self, message: dict[str, Any], fds: list[int]) -> None:
-        _check_request(message, fds)
-        changed = self.watch.changed()
-        if changed:
-            raise Refused(f"{changed} changed since it was imported", fatal=True)
-        environ = {os.fsencode(k): os.fsencode(v) for k, v in message["environ"].items()}
-        variable = _stale_in(self.reads, environ) or importenv.differs(environ)[0]
-        if variable:
-            raise Refused(f"its imports read {variable}, which differs for this session")
-        for name in self.environ_set:  # the value the imports found before they set it
-            if message["environ"].get(name) != self.plan.environ.get(name):
-                raise Refused(f"its imports set {name}, which this session has otherwise")
-        variable = _start_var_differs(self.plan.environ, message["environ"])
-        if variable:  # read natively at start (LD_PRELOAD, OMP_*, PYTHONHASHSEED): not seen above
-            raise Refused(f"the start variable {variable} differs for this session")
-        # A fork copies one thread. Native threads a library starts at import (torch's) are
-        # what every fork-based worker of that library lives with (torch's DataLoader); a
-        # Python thread, or CUDA initialised, would leave the fork broken.
-        if threading.active_count() != 1:
-            raise Refused("it runs a Python thread: a fork would copy one", fatal=True)
-        if probes.cuda_initialised():
-            raise Refused("CUDA is initialised: a fork could not use it", fatal=True)
+        found = {name: self.plan.environ.get(name) for name in self.environ_set}
+        fit.check_fork(message, fds, self.watch, self.reads, found, self.plan.environ)
 
     def _caller_gone(self, conn: socket.socket) -> None:
         """The caller's end closed (or sent something) while its session runs: it was
@@ -412,56 +400,6 @@ class Server:
 
 def _decoded(environ: dict[bytes, bytes]) -> dict[str, str]:
     return {os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()}
-
-
-def _check_request(message: dict[str, Any], fds: list[int]) -> None:
-    """What any warm caller refuses: a malformed request, its descriptors' numbers, another
-    interpreter."""
-    _check_shape(message)
-    numbers = message.get("fds", [0, 1, 2])
-    if not (isinstance(numbers, list) and all(type(n) is int for n in numbers)):
-        raise Refused("fds must be a list of descriptor numbers")
-    if len(numbers) != len(fds):
-        raise Refused(f"{len(numbers)} descriptor numbers for {len(fds)} descriptors")
-    why = descriptors.refusal(numbers)
-    if why:
-        raise Refused(why)
-    if message.get("interpreter") != wire.interpreter_identity():
-        raise Refused("another interpreter or other interpreter options")
-
-
-def _check_shape(message: dict[str, Any]) -> None:
-    def texts(value: Any) -> bool:
-        return isinstance(value, list) and all(isinstance(x, str) for x in value)
-
-    if not (texts(message.get("argv")) and texts(message.get("path"))):
-        raise Refused("argv and path must be lists of text")
-    if not isinstance(message.get("cwd"), str) or not isinstance(message.get("umask"), int):
-        raise Refused("cwd must be text and umask a number")
-    environ = message.get("environ")
-    if not isinstance(environ, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in environ.items()
-    ):
-        raise Refused("environ must map text to text")
-    streams = message.get("streams")
-    if not isinstance(streams, list) or len(streams) != 3:
-        raise Refused("streams must describe stdin, stdout and stderr")
-
-
-def _start_var_differs(mine: dict[str, str], theirs: dict[str, str]) -> str:
-    """The first start variable (``environ.is_start_var``) whose value differs ("" when
-    none does)."""
-    for name in sorted(set(mine) | set(theirs)):
-        if environ.is_start_var(name) and mine.get(name) != theirs.get(name):
-            return name
-    return ""
-
-
-def _stale_in(reads: dict[str, str | None], environ: dict[bytes, bytes]) -> str:
-    for name, value in reads.items():
-        if environ.get(os.fsencode(name)) != (None if value is None else os.fsencode(value)):
-            return name
-    return ""
 
 
 def main(argv: list[str]) -> int:

@@ -163,6 +163,21 @@ def test_the_ready_session_takes_a_caller_or_refuses_it() -> None:
     assert preparer.wanted(serving=True)  # the next one is prepared
 
 
+def test_a_stale_prepared_session_is_dropped_and_the_next_one_prepared() -> None:
+    """It refused a caller because a file it imported changed: it exits (stale for every
+    caller), and the warm caller prepares a new one, which imports the edited file."""
+    fake = _Prepared()
+    preparer = fake.preparer()
+    wire.send(fake.theirs, {"ready": 1})
+    preparer.heard()
+    wire.send(
+        fake.theirs, {"refused": "/p/kernels.py changed since it was imported", "stale": True}
+    )
+    assert preparer.take({"argv": ["pytest"]}, []) is None
+    assert preparer.candidate is None and preparer.why_not == ""
+    assert preparer.wanted(serving=True)
+
+
 def test_a_project_whose_session_stopped_preparing_gets_a_fork(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -208,8 +223,12 @@ def test_what_the_prepared_imports_read_set_and_filtered_is_kept(
     assert done.kept.environ["PREPMOD_CACHE"] == "/tmp/prepmod"
     assert done.found == {"PREPMOD_CACHE": None}
     caller = {"environ": {"PREPMOD_MODE": "fast"}}
-    assert prepared.refusal(done, caller) == ""
-    assert "read PREPMOD_MODE" in prepared.refusal(done, {"environ": {"PREPMOD_MODE": "slow"}})
-    assert "set PREPMOD_CACHE" in prepared.refusal(
-        done, {"environ": {"PREPMOD_MODE": "fast", "PREPMOD_CACHE": "/elsewhere"}}
+    assert prepared.refusal(done, caller) == prepared.Refusal()
+    slow = prepared.refusal(done, {"environ": {"PREPMOD_MODE": "slow"}})
+    assert "read PREPMOD_MODE" in slow.why and not slow.stale
+    assert (
+        "set PREPMOD_CACHE"
+        in prepared.refusal(
+            done, {"environ": {"PREPMOD_MODE": "fast", "PREPMOD_CACHE": "/elsewhere"}}
+        ).why
     )

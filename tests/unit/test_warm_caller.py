@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from cpq.caller import server, wire
+from cpq.caller import fit, wire
 from cpq.client import handoff
 
 
@@ -187,14 +187,21 @@ def test_a_request_of_another_shape_is_refused_before_anything_forks() -> None:
         "environ": {"A": "1"},
         "streams": [None, {}, {}],
     }
-    server._check_shape(good)
+    fit.check_shape(good)
     for field, bad in [("argv", "pytest"), ("cwd", 3), ("environ", {"A": 1}), ("streams", [])]:
-        with pytest.raises(server.Refused):
-            server._check_shape({**good, field: bad})
+        with pytest.raises(fit.Refused):
+            fit.check_shape({**good, field: bad})
 
 
 def test_a_variable_the_imports_read_must_be_the_callers() -> None:
     reads = {"HEAVY_MODE": "a", "UNSET_ONE": None}
-    assert server._stale_in(reads, {b"HEAVY_MODE": b"a"}) == ""
-    assert server._stale_in(reads, {b"HEAVY_MODE": b"b"}) == "HEAVY_MODE"
-    assert server._stale_in(reads, {b"HEAVY_MODE": b"a", b"UNSET_ONE": b""}) == "UNSET_ONE"
+    read = "its imports read {}, which differs for this session".format
+    assert fit.misfit({"HEAVY_MODE": "a"}, reads, {}) == ""
+    assert fit.misfit({"HEAVY_MODE": "b"}, reads, {}) == read("HEAVY_MODE")
+    assert fit.misfit({"HEAVY_MODE": "a", "UNSET_ONE": ""}, reads, {}) == read("UNSET_ONE")
+    # a variable the imports set: the caller's value must be the one they found (unset)
+    found = {"CACHE_DIR": None}
+    assert fit.misfit({"HEAVY_MODE": "a"}, reads, found) == ""
+    assert fit.misfit({"HEAVY_MODE": "a", "CACHE_DIR": "/x"}, reads, found) == (
+        "its imports set CACHE_DIR, which this session has otherwise"
+    )
