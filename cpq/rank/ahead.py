@@ -253,7 +253,13 @@ def warm(
     if why or not tops:
         for top in tops | {name.partition(".")[0] for name in plan.modules}:
             refused[top] = why or "nothing to keep"
-        log.info("not importing %s ahead of sessions: the import %s", ", ".join(sorted(tops)), why)
+        # Every family the pass loaded goes, not only the one whose import did it (a blame,
+        # where there is one, names that module: cpq.caller.blame).
+        log.info(
+            "not importing %s ahead of sessions: one of the pass's imports %s",
+            ", ".join(sorted(tops)),
+            why,
+        )
         return reads
     stayed = {_file(sys.modules[n]) for n in set(sys.modules) - loaded} - {None}
     _staying_warned[:] = [said for part in parts for said in part.warned if said.filename in stayed]
