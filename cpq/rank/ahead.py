@@ -332,7 +332,12 @@ def _step(
                 if isinstance(exc, ImportError) and "." in name:
                     continue  # a submodule loaded under a name of its own: skip it
                 refused[top] = f"importing {name} failed: {type(exc).__name__}: {exc}"[:300]
-                log.info("not importing %s ahead of sessions: %s", top, refused[top])
+                log.info(
+                    "not importing %s ahead of sessions (the session imports it itself, "
+                    "with the import path its conftests make): %s",
+                    top,
+                    refused[top],
+                )
                 break
             if after_import is not None and after_import(name):
                 raise _Refused(f"stopped after importing {name}")
