@@ -2,14 +2,16 @@
 # Where a handed-over (warm) session's wall goes, on the one-GPU host: one broker, a cold
 # `pytest --cpq-world-size 1` session over the staged Megatron-LM subset, then WARM_RUNS (3)
 # warm ones, every pytest process with the hook-time probe (tools/gpu/hooktime.py). Prints
-# each session's wall and its steps (seconds from the calling process's start); the probe's
-# log, the warm caller's log and the broker's logs go to $OUT. No fresh run here: the
-# warm ÷ fresh ratio is megatron_check.sh's. From the repo root; carry .megatron and .whl.
+# each session's wall and its steps (tools/gpu/wall_steps.py: seconds from the calling
+# process's creation); the probe's log, the warm caller's log and the broker's logs go to
+# $OUT. No fresh run here: the warm ÷ fresh ratio is megatron_check.sh's. From the repo
+# root; carry .megatron and .whl. On the CPU VM: MSITE=/tmp/megatron-cpu-site (where
+# tools/megatron_cpu.sh put triton and its shim) and a /tmp/site holding that sitecustomize.
 set -uo pipefail
 PROJ=$(pwd)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-SITE=/tmp/site MSITE=/tmp/msite
+SITE=${SITE:-/tmp/site} MSITE=${MSITE:-/tmp/msite}
 python3 -m pip install -q --no-index --no-deps --target "$MSITE" .megatron/.whl/*.whl > /dev/null 2>&1
 PYTHONPATH=$SITE python3 -c 'import zmq' 2>/dev/null ||
   python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/pyzmq-*.whl > /dev/null 2>&1
@@ -32,10 +34,14 @@ FILES=(tests/unit_tests/test_parallel_state.py tests/unit_tests/tensor_parallel
   tests/unit_tests/transformer/test_relative_attention.py tests/unit_tests/transformer/test_spec_utils.py
   tests/unit_tests/fusions/test_torch_softmax.py tests/unit_tests/models/test_base_embedding.py
   tests/unit_tests/models/test_multimodal_projector.py)
+# cpq's plugin by name where cpq is only on the path (the GPU host); where it is installed its
+# entry point loads it (naming it too would register it twice)
+PLUGIN=(-p cpq.client.plugin)
+python3 -c 'import importlib.metadata as m, sys; sys.exit(not any(e.value.startswith("cpq.") for e in m.entry_points(group="pytest11")))' && PLUGIN=()
 for i in cold $(seq 1 "${WARM_RUNS:-3}"); do
   echo "=== session $i" >> "$HOOKTIME_LOG"
   t0=$(date +%s.%N)
-  python3 -m pytest -p no:cacheprovider -p cpq.client.plugin --cpq-world-size 1 -q "${FILES[@]}" \
+  python3 -m pytest -p no:cacheprovider "${PLUGIN[@]}" --cpq-world-size 1 -q "${FILES[@]}" \
     > "$OUT/session-$i.log" 2>&1
   t1=$(date +%s.%N)
   echo "session $i: wall $(python3 -c "print(round($t1 - $t0, 2))") s :: $(tail -1 "$OUT/session-$i.log")"
@@ -45,3 +51,4 @@ done
 cp -r "$CPQ_STATE_DIR/callers" "$OUT/" 2>/dev/null
 python3 -m cpq stop > /dev/null 2>&1
 grep -h "cpq.caller" "$OUT"/callers/*.log | grep -E "started|refus|ready|ended" | cut -c1-140
+python3 "$PROJ/tools/gpu/wall_steps.py" "$HOOKTIME_LOG"
