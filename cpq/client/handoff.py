@@ -174,17 +174,21 @@ def _check_prepared() -> None:
     fail it, and prepare none of the project's sessions again."""
     served = _served()
     prepared = served.get("prepared") if served is not None else None
-    if not isinstance(prepared, dict):
+    if prepared is None:
         return
-    started, reads = prepared.get("environ") or {}, prepared.get("reads") or {}
-    changed = sorted(
-        name
-        for name in set(os.environ) | set(started)
-        if name.startswith("CUDA_") and os.environ.get(name) != started.get(name)
-    ) or sorted(name for name, value in reads.items() if os.environ.get(name) != value)
-    if not changed:
-        return
-    why = f"the session changed {changed[0]} after a session prepared ahead imported with it"
+    if isinstance(prepared, dict):
+        started, reads = prepared.get("environ") or {}, prepared.get("reads") or {}
+        changed = sorted(
+            name
+            for name in set(os.environ) | set(started)
+            if name.startswith("CUDA_") and os.environ.get(name) != started.get(name)
+        ) or sorted(name for name, value in reads.items() if os.environ.get(name) != value)
+        if not changed:
+            return
+        why = f"the session changed {changed[0]} after a session prepared ahead imported with it"
+    else:  # a record it cannot read: what to check is unknown (fail closed)
+        kind = type(prepared).__name__
+        why = f"the session prepared ahead sent a record cpq cannot read ({kind})"
     if "key" in _start:
         with contextlib.suppress(OSError):
             wire.no_prepared(_start["key"], why)

@@ -232,3 +232,18 @@ def test_what_the_prepared_imports_read_set_and_filtered_is_kept(
             done, {"environ": {"PREPMOD_MODE": "fast", "PREPMOD_CACHE": "/elsewhere"}}
         ).why
     )
+
+
+def test_a_prepared_record_the_session_cannot_read_fails_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the session checks comes with the record; one it cannot read is a failure, not
+    a session that skips its check."""
+    from cpq.client import handoff
+
+    monkeypatch.setenv("CPQ_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(wire, "served", {"prepared": 342})
+    with pytest.raises(pytest.UsageError, match="a record cpq cannot read"):
+        handoff._check_prepared()
+    monkeypatch.setattr(wire, "served", {"prepared": {"environ": dict(os.environ), "reads": {}}})
+    handoff._check_prepared()  # nothing changed: the session goes on

@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2034  # FILES is read by the scripts that source this
-# Sourced by the Megatron-LM scripts here (megatron_cold.sh, megatron_floor.sh,
+# Sourced by the Megatron-LM scripts here (megatron_cold.sh, megatron_floor.sh, warm_wall.sh,
 # megatron_profile.sh): the 281 tests' paths (the staged run.sh's selection) and the
 # variables every run of them sets (multicast off; the conftest's data download failing at
 # once: this host reaches no network).

@@ -17,10 +17,9 @@ PYTHONPATH=$SITE python3 -c 'import zmq' 2>/dev/null ||
   python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/pyzmq-*.whl > /dev/null 2>&1
 cp tools/gpu/hooktime.py "$SITE/"
 export PYTHONPATH=$SITE:$MSITE:$PROJ:$PROJ/.megatron/src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=tools/gpu/megatron_env.sh
+source "$PROJ/tools/gpu/megatron_env.sh"  # the 281 tests' paths (FILES), multicast off, no network
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 \
-  https_proxy=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9
 export HOOKTIME_LOG=$OUT/ht.log PYTEST_ADDOPTS="-p hooktime"
 export CPQ_STATE_DIR
 CPQ_STATE_DIR=$(mktemp -d /tmp/wall-state.XXXXXX)
@@ -28,12 +27,6 @@ chmod 700 "$CPQ_STATE_DIR"
 cd .megatron/src || exit 3
 python3 -m cpq broker --gpus auto --log-dir "$OUT/broker" > "$OUT/broker.out" 2>&1 &
 for _ in $(seq 1 120); do python3 -m cpq status --json > /dev/null 2>&1 && break; sleep 0.5; done
-FILES=(tests/unit_tests/test_parallel_state.py tests/unit_tests/tensor_parallel
-  tests/unit_tests/distributed/test_param_and_grad_buffer.py tests/unit_tests/transformer/test_mlp.py
-  tests/unit_tests/transformer/test_module.py tests/unit_tests/transformer/test_rope.py
-  tests/unit_tests/transformer/test_relative_attention.py tests/unit_tests/transformer/test_spec_utils.py
-  tests/unit_tests/fusions/test_torch_softmax.py tests/unit_tests/models/test_base_embedding.py
-  tests/unit_tests/models/test_multimodal_projector.py)
 # cpq's plugin by name where cpq is only on the path (the GPU host); where it is installed its
 # entry point loads it (naming it too would register it twice)
 PLUGIN=(-p cpq.client.plugin)
